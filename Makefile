@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: GPL-2.0 OR MIT
+#
+# peermem-rs top-level Makefile.
+#
+#   make                 build every module (product + harness) for KDIR
+#   make KDIR=<tree>     the same for any prepared 7.3 tree with Rust metadata
+#   make test            everything: host tests, KUnit, end-to-end on both kernels
+#   make demo            the stock Debian kernel in QEMU, doing the module's job
+#   make clean | rust-analyzer | CLIPPY=1
+#
+# On a developer machine everything runs inside the build root that
+# scripts/setup makes (first use sets it up). On a real node, pass
+# PEERMEM_SYMVERS (OFED's or Ubuntu's Module.symvers and nvidia's) or
+# PEERMEM_NATIVE=1 to build with the host's own toolchain.
+
+TOP := $(abspath $(dir $(lastword $(MAKEFILE_LIST))))
+PEERMEM_CACHE ?= $(HOME)/.cache/peermem-rs
+export PEERMEM_CACHE
+WORK := $(PEERMEM_CACHE)/work
+
+HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak cargo-test e2e-bin
+.DEFAULT_GOAL := all
+
+ifeq ($(PEERMEM_IN_ROOT)$(PEERMEM_NATIVE)$(PEERMEM_SYMVERS),)
+# --- on the host: set up what is missing, then run the same goals in the root
+FULL_SETUP := $(filter test demo soak,$(or $(MAKECMDGOALS),all))
+.PHONY: $(or $(MAKECMDGOALS),all) peermem-delegate
+$(or $(MAKECMDGOALS),all): peermem-delegate ; @:
+peermem-delegate:
+	@$(TOP)/scripts/setup $(if $(FULL_SETUP),,--no-debug)
+	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
+else
+# --- inside the build root (or natively on a real node) ------------------------
+-include $(WORK)/versions.mk
+
+KDIR ?= $(WORK)/distro
+NVIDIA_SRC ?= $(NVIDIA_SRC_DEFAULT)
+OUT ?= $(TOP)/build/$(notdir $(KDIR))
+KCLANG := $(shell grep -qx 'CONFIG_CC_IS_CLANG=y' $(KDIR)/.config 2>/dev/null && echo LLVM=1)
+KMAKE = $(MAKE) -C $(KDIR) M=$(TOP) MO=$(OUT) NVIDIA_SRC=$(NVIDIA_SRC) $(KCLANG) \
+	$(if $(PEERMEM_SYMVERS),PEERMEM_PRODUCT_ONLY=1 KBUILD_EXTRA_SYMBOLS="$(PEERMEM_SYMVERS)")
+
+.PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak cargo-test e2e-bin check-kdir check-symvers
+
+all modules: check-kdir check-symvers
+	@mkdir -p $(OUT)
+	$(KMAKE) -j$(shell nproc) modules
+
+modules-all:
+	$(MAKE) KDIR=$(WORK)/distro modules
+	$(MAKE) KDIR=$(WORK)/debug modules
+
+check-kdir:
+	@test -f $(KDIR)/rust/libkernel.rmeta || test -f $(KDIR)/rust/kernel.o || \
+		{ echo "error: $(KDIR) is not a prepared kernel tree with Rust metadata (scripts/prepare-kdir or scripts/setup make one)" >&2; exit 1; }
+	@test -n "$(NVIDIA_SRC)" && test -f $(NVIDIA_SRC)/nv-p2p.h || \
+		{ echo "error: NVIDIA_SRC ($(NVIDIA_SRC)) must hold nv-p2p.h and peer_mem.h" >&2; exit 1; }
+
+# On a real node the peer-memory and p2p symbols come from other modules'
+# Module.symvers: refuse clearly when they are not there, instead of building a
+# module that cannot load.
+check-symvers:
+ifneq ($(PEERMEM_SYMVERS),)
+	@for s in ib_register_peer_memory_client ib_unregister_peer_memory_client nvidia_p2p_get_pages; do \
+		cat $(PEERMEM_SYMVERS) 2>/dev/null | grep -q "[[:space:]]$$s[[:space:]]" || \
+		{ echo "error: $$s is in none of PEERMEM_SYMVERS ($(PEERMEM_SYMVERS)): give OFED's (or Ubuntu's) Module.symvers for the peer-memory core and nvidia's for nvidia_p2p_*" >&2; exit 1; }; \
+	done
+endif
+
+clean:
+	rm -rf $(TOP)/build $(TOP)/target $(TOP)/rust-project.json
+
+rust-analyzer: check-kdir
+	@mkdir -p $(OUT)
+	$(KMAKE) rust-analyzer
+	@test -f $(OUT)/rust-project.json && cp $(OUT)/rust-project.json $(TOP)/ || true
+
+fmt:
+	rustfmt --edition 2021 --config-path $(KDIR)/.rustfmt.toml $(TOP)/src/peermem.rs
+
+fmt-check:
+	rustfmt --check --edition 2021 --config-path $(KDIR)/.rustfmt.toml $(TOP)/src/peermem.rs
+
+cargo-test:
+	cd $(TOP) && cargo test --locked --workspace
+
+test:
+	$(TOP)/scripts/run-tests
+
+demo:
+	$(TOP)/scripts/demo
+
+soak:
+	PEERMEM_STRESS_OPS=1000000 $(TOP)/scripts/run-tests --soak
+endif

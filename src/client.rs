@@ -1,0 +1,254 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The peer-memory clients (`nv_mem`, `nv_mem_nc`): the C function tables the
+//! core calls, and their trampolines from raw C arguments to
+//! [`Registration`] methods and back to errno values.
+
+use core::ptr::NonNull;
+
+use kernel::{
+    bindings,
+    ffi::{
+        c_char,
+        c_int,
+        c_ulong,
+        c_void, //
+    },
+    prelude::*,
+    sync::{
+        atomic::Relaxed,
+        Arc,
+        ArcBorrow, //
+    },
+    types::ForeignOwnable,
+};
+
+use crate::{
+    core_link::CoreLink,
+    ffi,
+    registration::{
+        Mode,
+        Registration, //
+    },
+    stats::STATS,
+};
+
+/// The module version as the clients report it (at most 14 characters: the
+/// core reads byte 15 of the field as the "extended struct" marker).
+const VERSION: &str = env!("PEERMEM_VERSION");
+const _: () = assert!(VERSION.len() <= ffi::IB_PEER_MEMORY_VER_MAX as usize - 2);
+
+const fn c_array<const N: usize>(s: &str, marker: u8) -> [c_char; N] {
+    let mut out = [0 as c_char; N];
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        out[i] = b[i] as c_char;
+        i += 1;
+    }
+    out[N - 1] = marker as c_char;
+    out
+}
+
+/// A client table handed to the core; it keeps the pointer until unregister.
+#[repr(transparent)]
+pub(crate) struct ClientTable(ffi::peer_memory_client_ex);
+
+// SAFETY: the table is immutable after build time.
+unsafe impl Sync for ClientTable {}
+
+const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
+    let client = ffi::peer_memory_client {
+        name: c_array(name, 0),
+        version: c_array(VERSION, extended as u8),
+        acquire: Some(if invalidating {
+            acquire::<true>
+        } else {
+            acquire::<false>
+        }),
+        get_pages: Some(get_pages),
+        dma_map: Some(dma_map),
+        dma_unmap: Some(dma_unmap),
+        put_pages: Some(put_pages),
+        get_page_size: Some(get_page_size),
+        release: Some(release),
+    };
+    ClientTable(ffi::peer_memory_client_ex {
+        client,
+        ex_size: core::mem::size_of::<ffi::peer_memory_client_ex>(),
+        flags: if extended { ffi::PEER_MEM_INVALIDATE_UNMAPS as u32 } else { 0 },
+    })
+}
+
+/// `nv_mem` revoking through the core's hook, extended with
+/// `PEER_MEM_INVALIDATE_UNMAPS` (the core never unmaps from its invalidate).
+pub(crate) static NV_MEM_INVALIDATING: ClientTable = table("nv_mem", true, true);
+/// `nv_mem` revoking through the core's hook, for old cores
+/// (`peerdirect_support=1`): the core unmaps from inside its invalidate.
+pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table("nv_mem", true, false);
+/// `nv_mem` with persistent pages (`persistent_api_support=1`).
+pub(crate) static NV_MEM_PERSISTENT: ClientTable = table("nv_mem", false, false);
+/// `nv_mem_nc`: persistent pages, usable for CQ/QP umems too.
+pub(crate) static NV_MEM_NC: ClientTable = table("nv_mem_nc", false, false);
+
+/// The invalidate hook of the (one) invalidating client.
+pub(crate) static INVALIDATING_LINK: CoreLink = CoreLink::new();
+
+/// A client registered with the core; unregisters on drop, which blocks until
+/// the core released every registration made through it.
+///
+/// # Invariants
+///
+/// `handle` was returned by `ib_register_peer_memory_client` for `table`.
+pub(crate) struct CoreRegistration {
+    handle: NonNull<c_void>,
+    link: Option<&'static CoreLink>,
+}
+
+// SAFETY: the handle is an opaque token of the core, usable from any thread.
+unsafe impl Send for CoreRegistration {}
+// SAFETY: as above; no interior state.
+unsafe impl Sync for CoreRegistration {}
+
+impl CoreRegistration {
+    /// Registers `table`; with `link`, as an invalidating client.
+    pub(crate) fn new(table: &'static ClientTable, link: Option<&'static CoreLink>) -> Result<Self> {
+        let slot = link.map_or(core::ptr::null_mut(), |l| l.hook_slot());
+        // SAFETY: `table` is 'static; `slot` is NULL or a 'static slot.
+        let handle = unsafe { ffi::ib_register_peer_memory_client(&table.0.client, slot) };
+        let handle = NonNull::new(handle).ok_or_else(|| {
+            pr_err!("the peer-memory core refused a client (a client of this name already registered?)\n");
+            EBUSY
+        })?;
+        if let Some(l) = link {
+            l.publish(handle.as_ptr());
+        }
+        // INVARIANT: returned by the core for `table`.
+        Ok(Self { handle, link })
+    }
+}
+
+impl Drop for CoreRegistration {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new` (type invariant), unregistered once.
+        unsafe { ffi::ib_unregister_peer_memory_client(self.handle.as_ptr()) };
+        if let Some(l) = self.link {
+            l.retract();
+        }
+    }
+}
+
+/// Borrows the registration behind `ctx`.
+///
+/// # Safety
+///
+/// `ctx` must be a `client_context` this module returned from `acquire` and
+/// the core has not yet passed to `release`.
+unsafe fn borrow<'a>(ctx: *mut c_void) -> ArcBorrow<'a, Registration> {
+    // SAFETY: per the caller's guarantee, `ctx` came from `into_foreign` of an
+    // `Arc<Registration>` the core still owns.
+    unsafe { <Arc<Registration> as ForeignOwnable>::borrow(ctx.cast()) }
+}
+
+unsafe extern "C" fn acquire<const INVALIDATING: bool>(
+    addr: c_ulong,
+    size: usize,
+    _peer_mem_private_data: *mut c_void,
+    _peer_mem_name: *mut c_char,
+    client_context: *mut *mut c_void,
+) -> c_int {
+    let (mode, link) = if INVALIDATING {
+        if !INVALIDATING_LINK.ready() {
+            // Registration with the core has not returned yet.
+            return 0;
+        }
+        (Mode::Invalidating, Some(&INVALIDATING_LINK))
+    } else {
+        (Mode::Persistent, None)
+    };
+    if client_context.is_null() {
+        return 0;
+    }
+    match Registration::acquire(addr as u64, size as u64, mode, link) {
+        Ok(reg) => {
+            STATS.acquired.add(1, Relaxed);
+            // SAFETY: `client_context` is a valid out-pointer (checked above).
+            unsafe { *client_context = reg.into_foreign().cast() };
+            1
+        }
+        Err(_) => {
+            // Not GPU memory (or not pinnable): not ours; the core tries the
+            // next client or returns its own error.
+            STATS.declined.add(1, Relaxed);
+            0
+        }
+    }
+}
+
+unsafe extern "C" fn get_pages(
+    addr: c_ulong,
+    size: usize,
+    _write: c_int,
+    _force: c_int,
+    _sg_head: *mut bindings::sg_table,
+    client_context: *mut c_void,
+    core_context: u64,
+) -> c_int {
+    // SAFETY: the core passes the context `acquire` returned.
+    let reg = unsafe { borrow(client_context) };
+    match reg.get_pages(addr as u64, size as u64, core_context) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
+unsafe extern "C" fn dma_map(
+    sg_head: *mut bindings::sg_table,
+    client_context: *mut c_void,
+    dma_device: *mut bindings::device,
+    _dmasync: c_int,
+    nmap: *mut c_int,
+) -> c_int {
+    if sg_head.is_null() || nmap.is_null() {
+        return EINVAL.to_errno();
+    }
+    // SAFETY: the core passes the context `acquire` returned.
+    let reg = unsafe { borrow(client_context) };
+    // SAFETY: `sg_head` is the core's table for this registration and the core
+    // keeps `dma_device` alive while the registration is mapped.
+    match unsafe { reg.dma_map(sg_head, dma_device) } {
+        Ok(n) => {
+            // SAFETY: checked non-NULL above.
+            unsafe { *nmap = n as c_int };
+            0
+        }
+        Err(e) => e.to_errno(),
+    }
+}
+
+unsafe extern "C" fn dma_unmap(
+    _sg_head: *mut bindings::sg_table,
+    client_context: *mut c_void,
+    _dma_device: *mut bindings::device,
+) -> c_int {
+    // SAFETY: the core passes the context `acquire` returned.
+    unsafe { borrow(client_context) }.dma_unmap();
+    0
+}
+
+unsafe extern "C" fn put_pages(_sg_head: *mut bindings::sg_table, client_context: *mut c_void) {
+    // SAFETY: the core passes the context `acquire` returned.
+    unsafe { borrow(client_context) }.put_pages();
+}
+
+unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
+    // Every entry we build starts and ends on a 64 KiB boundary; the core
+    // trims the first and last to the user's range.
+    crate::range::granule(bindings::PAGE_SIZE as u64) as c_ulong
+}
+
+unsafe extern "C" fn release(client_context: *mut c_void) {
+    // SAFETY: the core passes the context `acquire` returned, once, here.
+    let reg = unsafe { <Arc<Registration> as ForeignOwnable>::from_foreign(client_context.cast()) };
+    reg.release();
+}

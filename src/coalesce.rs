@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Coalescing of per-page DMA addresses into scatter-gather segments.
+//!
+//! Plain Rust without kernel types: the module and the host test crate compile
+//! this very file.
+
+/// One DMA-contiguous segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    /// Bus address of the first byte.
+    pub(crate) addr: u64,
+    /// Length in bytes, a whole number of pages.
+    pub(crate) len: u64,
+}
+
+/// Iterator over the segments of a page-address list.
+///
+/// Pages whose DMA addresses follow each other are merged, as long as a
+/// segment stays within `max_seg` bytes (rounded down to whole pages, at least
+/// one page) and within `u32::MAX` (the width of a scatterlist length).
+pub(crate) struct Coalescer<'a> {
+    addrs: &'a [u64],
+    page: u64,
+    max_seg: u64,
+}
+
+impl<'a> Coalescer<'a> {
+    /// Segments of `addrs` (one bus address per page of `page` bytes) for a
+    /// device whose segments may be `max_seg` bytes long.
+    pub(crate) fn new(addrs: &'a [u64], page: u64, max_seg: u64) -> Self {
+        let cap = core::cmp::min(max_seg, u64::from(u32::MAX));
+        let max_seg = core::cmp::max(cap - cap % page, page);
+        Self {
+            addrs,
+            page,
+            max_seg,
+        }
+    }
+}
+
+impl Iterator for Coalescer<'_> {
+    type Item = Segment;
+
+    fn next(&mut self) -> Option<Segment> {
+        let (&first, rest) = self.addrs.split_first()?;
+        let mut seg = Segment {
+            addr: first,
+            len: self.page,
+        };
+        let mut used = 1;
+        for &a in rest {
+            let contiguous = seg.addr.checked_add(seg.len) == Some(a);
+            if !contiguous || seg.len + self.page > self.max_seg {
+                break;
+            }
+            seg.len += self.page;
+            used += 1;
+        }
+        self.addrs = &self.addrs[used..];
+        Some(seg)
+    }
+}
+
+/// Number of segments `Coalescer::new(addrs, page, max_seg)` yields.
+pub(crate) fn count(addrs: &[u64], page: u64, max_seg: u64) -> usize {
+    Coalescer::new(addrs, page, max_seg).count()
+}

@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The link back to the peer-memory core: the handle it returned for our
+//! invalidating client and the invalidate hook it wrote at registration.
+
+use core::cell::UnsafeCell;
+
+use kernel::{
+    ffi::c_void,
+    sync::atomic::{
+        Acquire,
+        Atomic,
+        Release, //
+    },
+};
+
+use crate::ffi;
+
+/// The core's invalidate hook for one client.
+///
+/// # Invariants
+///
+/// `hook` is written only by the core, inside `ib_register_peer_memory_client`,
+/// before the handle is published with release ordering; it is read only after
+/// the handle was observed non-zero with acquire ordering.
+pub(crate) struct CoreLink {
+    handle: Atomic<usize>,
+    hook: UnsafeCell<ffi::invalidate_peer_memory>,
+}
+
+// SAFETY: see the type invariants: the one write happens-before every read.
+unsafe impl Sync for CoreLink {}
+
+impl CoreLink {
+    /// An unpublished link.
+    pub(crate) const fn new() -> Self {
+        Self {
+            handle: Atomic::new(0),
+            hook: UnsafeCell::new(None),
+        }
+    }
+
+    /// Where the core writes its hook during registration.
+    pub(crate) fn hook_slot(&self) -> *mut ffi::invalidate_peer_memory {
+        self.hook.get()
+    }
+
+    /// Publishes the core's handle once registration returned it.
+    pub(crate) fn publish(&self, handle: *mut c_void) {
+        self.handle.store(handle as usize, Release);
+    }
+
+    /// Forgets the handle before unregistering.
+    pub(crate) fn retract(&self) {
+        self.handle.store(0, Release);
+    }
+
+    /// Whether registration completed (the hook may be used).
+    pub(crate) fn ready(&self) -> bool {
+        self.handle.load(Acquire) != 0
+    }
+
+    /// Asks the core to revoke the registration it knows as `core_context`.
+    /// Sleeps (the core takes mutexes): call from the free callback only.
+    pub(crate) fn invalidate(&self, core_context: u64) {
+        let handle = self.handle.load(Acquire);
+        if handle == 0 {
+            return;
+        }
+        // SAFETY: the handle is published, so the hook was written before
+        // (type invariants) and is never written again.
+        let hook = unsafe { *self.hook.get() };
+        if let Some(f) = hook {
+            // SAFETY: the core's own hook with its own handle; it returns 0
+            // for ids it does not know.
+            unsafe { f(handle as *mut c_void, core_context) };
+        }
+    }
+}

@@ -1,0 +1,75 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Raw declarations: bindgen's view of `nv-p2p.h` and `peer_mem.h` (generated
+//! by the build from the installed driver's headers) and the C shim.
+//!
+//! Kernel types (`sg_table`, `device`, `pci_dev`) are `kernel::bindings`' own:
+//! the generated code refers to them instead of redefining them.
+
+use kernel::{
+    bindings::{
+        device,
+        pci_dev, //
+    },
+    ffi::{
+        c_char,
+        c_uint, //
+    },
+};
+
+#[allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code,
+    missing_docs,
+    unreachable_pub,
+    clippy::all,
+    clippy::pedantic,
+    clippy::undocumented_unsafe_blocks,
+    unsafe_op_in_unsafe_fn,
+    improper_ctypes
+)]
+mod generated {
+    use kernel::bindings::{
+        device,
+        pci_dev,
+        sg_table, //
+    };
+    include!(env!("PEERMEM_BINDINGS"));
+}
+
+pub(crate) use generated::*;
+
+// `device` holds `lockdep_map`s, zero-sized without lockdep; we only pass
+// pointers to it.
+#[allow(improper_ctypes)]
+extern "C" {
+    /// The DMA segment limit of `dev` (`dma_get_max_seg_size`).
+    pub(crate) fn peermem_dma_max_seg_size(dev: *mut device) -> c_uint;
+    /// The PCI device behind `dev`, or NULL if `dev` is NULL or not PCI.
+    pub(crate) fn peermem_to_pci_dev(dev: *mut device) -> *mut pci_dev;
+    /// Whether the module's dynamic-debug call site is enabled; prints `msg`
+    /// (NUL-terminated, or NULL for none) through it if so.
+    pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
+}
+
+// Compile-time layout checks: the x86_64 ABI of every struct this module
+// reads or hands to the core (the C shim asserts the same offsets in C).
+macro_rules! layout {
+    ($t:ty, size $s:expr $(, $f:ident @ $o:expr)* $(,)?) => {
+        const _: () = assert!(core::mem::size_of::<$t>() == $s);
+        $(const _: () = assert!(core::mem::offset_of!($t, $f) == $o);)*
+    };
+    ($t:ty $(, $f:ident @ $o:expr)* $(,)?) => {
+        $(const _: () = assert!(core::mem::offset_of!($t, $f) == $o);)*
+    };
+}
+
+layout!(peer_memory_client, size 136, name @ 0, version @ 64, acquire @ 80, get_pages @ 88,
+    dma_map @ 96, dma_unmap @ 104, put_pages @ 112, get_page_size @ 120, release @ 128);
+layout!(peer_memory_client_ex, size 152, client @ 0, ex_size @ 136, flags @ 144);
+layout!(nvidia_p2p_page, size 32, physical_address @ 0);
+layout!(nvidia_p2p_page_table, version @ 0, page_size @ 4, pages @ 8, entries @ 16, gpu_uuid @ 24);
+layout!(nvidia_p2p_dma_mapping, size 40, version @ 0, page_size_type @ 4, entries @ 8,
+    dma_addresses @ 16, private @ 24, pci_dev @ 32);

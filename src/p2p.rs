@@ -1,0 +1,249 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Thin wrappers over NVIDIA's kernel p2p API (`nvidia_p2p_*`).
+//!
+//! The provider owns the page tables and DMA mappings it hands out and, for
+//! non-persistent pins, frees them itself right after its free callback
+//! returns. Whether a handle may still be used is therefore decided by the
+//! registration's [`Lifecycle`](crate::lifecycle::Lifecycle), not by Rust
+//! ownership: the handles here are plain tokens with `unsafe` accessors.
+
+use core::ptr::NonNull;
+
+use kernel::{
+    bindings::pci_dev,
+    ffi::c_void,
+    prelude::*, //
+};
+
+use crate::{
+    ffi,
+    range::{
+        GpuRange,
+        GPU_PAGE_SIZE, //
+    },
+};
+
+/// Page-table major versions whose fields up to `gpu_uuid` we can read:
+/// 1 (drivers up to 575, minor 2 or later) and 2 (580 and later).
+const fn page_table_version_ok(v: u32) -> bool {
+    let (major, minor) = (v >> 16, v & 0xffff);
+    let compiled_minor = ffi::NVIDIA_P2P_PAGE_TABLE_VERSION & 0xffff;
+    (major == 1 && minor >= compiled_minor) || major == 2
+}
+
+/// DMA mappings of major 2 with at least the compiled minor.
+const fn dma_mapping_version_ok(v: u32) -> bool {
+    let want = ffi::NVIDIA_P2P_DMA_MAPPING_VERSION;
+    v >> 16 == want >> 16 && (v & 0xffff) >= (want & 0xffff)
+}
+
+/// Why a provider object was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mismatch {
+    /// Unknown structure version.
+    Version(u32),
+    /// Page size other than 64 KiB.
+    PageSize(u32),
+    /// Entry count differing from the pinned range.
+    Entries(u32),
+}
+
+/// Maps a provider return code to what user space may see: never `ENOTSUPP`
+/// (524, kernel-internal), never a positive or out-of-range value.
+pub(crate) fn provider_error(rc: i32) -> Error {
+    let e = Error::from_errno(rc);
+    if e == ENOTSUPP || e == EOPNOTSUPP {
+        EOPNOTSUPP
+    } else if [EINVAL, ENOMEM, EFAULT, EBUSY, EIO, ENODEV, EPERM, EAGAIN, ENOENT].contains(&e) {
+        e
+    } else {
+        EIO
+    }
+}
+
+/// A page table pinned by the provider.
+///
+/// # Invariants
+///
+/// The pointer came from a successful `nvidia_p2p_get_pages[_persistent]`.
+/// It stays valid until the matching unpin, or (non-persistent) until the
+/// provider's free callback returns; the owning lifecycle tracks which.
+pub(crate) struct PageTable(NonNull<ffi::nvidia_p2p_page_table>);
+
+// SAFETY: a page table is a provider-owned object; using it from any thread
+// is allowed by the API, and the lifecycle serialises who may use it.
+unsafe impl Send for PageTable {}
+
+/// A DMA mapping of a page table for one peer device.
+///
+/// # Invariants
+///
+/// The pointer came from a successful `nvidia_p2p_dma_map_pages` and is valid
+/// under the same conditions as its page table.
+pub(crate) struct DmaMapping(NonNull<ffi::nvidia_p2p_dma_mapping>);
+
+// SAFETY: as for `PageTable`.
+unsafe impl Send for DmaMapping {}
+
+/// The free callback signature of `nvidia_p2p_get_pages`.
+pub(crate) type FreeCallback = unsafe extern "C" fn(data: *mut c_void);
+
+fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
+    if rc != 0 {
+        return Err(provider_error(rc));
+    }
+    // INVARIANT: the provider returned success with this pointer.
+    NonNull::new(pt).map(PageTable).ok_or(EIO)
+}
+
+/// Pins `range` without a free callback; the pages stay until unpinned.
+pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
+    let mut pt = core::ptr::null_mut();
+    // SAFETY: `pt` is a valid out-pointer; the provider validates the range.
+    let rc = unsafe { ffi::nvidia_p2p_get_pages_persistent(range.start, range.len, &mut pt, 0) };
+    table_from(rc, pt)
+}
+
+/// Pins `range` with a free callback called with `data` when the GPU driver
+/// revokes the pages.
+///
+/// # Safety
+///
+/// `data` must stay valid for `callback` until the callback ran or the pages
+/// were unpinned, whichever comes first.
+pub(crate) unsafe fn get_pages(
+    range: &GpuRange,
+    callback: FreeCallback,
+    data: *mut c_void,
+) -> Result<PageTable> {
+    let mut pt = core::ptr::null_mut();
+    // SAFETY: `pt` is a valid out-pointer; the caller guarantees `data`.
+    let rc = unsafe {
+        ffi::nvidia_p2p_get_pages(0, 0, range.start, range.len, &mut pt, Some(callback), data)
+    };
+    table_from(rc, pt)
+}
+
+impl PageTable {
+    /// A second token for the same table.
+    ///
+    /// # Safety
+    ///
+    /// The caller must not use the alias after the table is unpinned or
+    /// revoked, nor unpin through it.
+    pub(crate) unsafe fn alias(&self) -> PageTable {
+        PageTable(self.0)
+    }
+
+    /// Checks the version, page size and entry count against what was pinned;
+    /// returns the number of entries.
+    ///
+    /// # Safety
+    ///
+    /// The table must still be valid (see the type invariants).
+    pub(crate) unsafe fn check(&self, range: &GpuRange) -> Result<u32, Mismatch> {
+        // SAFETY: valid per the caller's guarantee.
+        let t = unsafe { self.0.as_ref() };
+        if !page_table_version_ok(t.version) {
+            return Err(Mismatch::Version(t.version));
+        }
+        if t.page_size != ffi::nvidia_p2p_page_size_type_NVIDIA_P2P_PAGE_SIZE_64KB {
+            return Err(Mismatch::PageSize(t.page_size));
+        }
+        if u64::from(t.entries) != range.pages(GPU_PAGE_SIZE) {
+            return Err(Mismatch::Entries(t.entries));
+        }
+        Ok(t.entries)
+    }
+
+    /// Unpins a non-persistent table. Safe against a racing free callback:
+    /// the provider looks the table up under its own lock and returns 0 if the
+    /// callback already unlinked it; once this returns, the callback has run
+    /// to completion or never will.
+    ///
+    /// # Safety
+    ///
+    /// The table must have been pinned by [`get_pages`] for `range`, and not
+    /// unpinned before.
+    pub(crate) unsafe fn put(self, range: &GpuRange) -> Result {
+        // SAFETY: per the caller's guarantee; the provider only compares the
+        // pointer with its live tables.
+        let rc = unsafe { ffi::nvidia_p2p_put_pages(0, 0, range.start, self.0.as_ptr()) };
+        if rc != 0 {
+            return Err(provider_error(rc));
+        }
+        Ok(())
+    }
+
+    /// Unpins a persistent table.
+    ///
+    /// # Safety
+    ///
+    /// The table must have been pinned by [`get_pages_persistent`] for
+    /// `range`, and not unpinned before.
+    pub(crate) unsafe fn put_persistent(self, range: &GpuRange) -> Result {
+        // SAFETY: per the caller's guarantee.
+        let rc = unsafe { ffi::nvidia_p2p_put_pages_persistent(range.start, self.0.as_ptr(), 0) };
+        if rc != 0 {
+            return Err(provider_error(rc));
+        }
+        Ok(())
+    }
+
+    /// Maps the table for DMA by `peer`.
+    ///
+    /// # Safety
+    ///
+    /// The table must still be valid and `peer` a live PCI device.
+    pub(crate) unsafe fn dma_map(&self, peer: *mut pci_dev) -> Result<DmaMapping> {
+        let mut m = core::ptr::null_mut();
+        // SAFETY: per the caller's guarantee; `m` is a valid out-pointer.
+        let rc = unsafe { ffi::nvidia_p2p_dma_map_pages(peer, self.0.as_ptr(), &mut m) };
+        if rc != 0 {
+            return Err(provider_error(rc));
+        }
+        // INVARIANT: the provider returned success with this pointer.
+        NonNull::new(m).map(DmaMapping).ok_or(EIO)
+    }
+
+    /// Undoes [`PageTable::dma_map`].
+    ///
+    /// # Safety
+    ///
+    /// The table and the mapping must still be valid (no free callback can
+    /// have run), and `peer` must be the device the mapping was made for.
+    pub(crate) unsafe fn dma_unmap(&self, peer: *mut pci_dev, m: DmaMapping) -> Result {
+        // SAFETY: per the caller's guarantee.
+        let rc = unsafe { ffi::nvidia_p2p_dma_unmap_pages(peer, self.0.as_ptr(), m.0.as_ptr()) };
+        if rc != 0 {
+            return Err(provider_error(rc));
+        }
+        Ok(())
+    }
+}
+
+impl DmaMapping {
+    /// Checks version, page size and entry count; returns the bus addresses,
+    /// one per 64 KiB page.
+    ///
+    /// # Safety
+    ///
+    /// The mapping must still be valid, and stay so while the slice is used.
+    pub(crate) unsafe fn addresses(&self, entries: u32) -> Result<&[u64], Mismatch> {
+        // SAFETY: valid per the caller's guarantee.
+        let m = unsafe { self.0.as_ref() };
+        if !dma_mapping_version_ok(m.version) {
+            return Err(Mismatch::Version(m.version));
+        }
+        if m.page_size_type != ffi::nvidia_p2p_page_size_type_NVIDIA_P2P_PAGE_SIZE_64KB {
+            return Err(Mismatch::PageSize(m.page_size_type));
+        }
+        if m.entries != entries || m.dma_addresses.is_null() {
+            return Err(Mismatch::Entries(m.entries));
+        }
+        // SAFETY: the provider allocated `entries` addresses, valid as long as
+        // the mapping is.
+        Ok(unsafe { core::slice::from_raw_parts(m.dma_addresses, entries as usize) })
+    }
+}

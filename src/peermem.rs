@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `nvidia_peermem`: lets RDMA devices DMA to and from NVIDIA GPU memory.
+//!
+//! A peer-memory client of the RDMA core (`ib_register_peer_memory_client`):
+//! when `ibv_reg_mr()` is called on a `cudaMalloc()` pointer the core asks us
+//! whether we own the range; we pin the GPU's BAR pages through NVIDIA's p2p
+//! API, map them for the device, and hand back a DMA-mapped scatterlist. When
+//! the GPU memory is freed under a live registration, NVIDIA's free callback
+//! revokes it through the core's invalidate hook.
+
+use kernel::{
+    bindings,
+    debugfs::{
+        Dir,
+        File, //
+    },
+    prelude::*,
+};
+
+mod client;
+mod coalesce;
+mod core_link;
+mod ffi;
+mod lifecycle;
+mod p2p;
+mod range;
+mod registration;
+mod sg;
+mod stats;
+#[cfg(CONFIG_KUNIT = "y")]
+mod tests;
+
+use client::{
+    CoreRegistration,
+    INVALIDATING_LINK,
+    NV_MEM_INVALIDATING,
+    NV_MEM_INVALIDATING_LEGACY,
+    NV_MEM_NC,
+    NV_MEM_PERSISTENT, //
+};
+
+module! {
+    type: NvidiaPeermem,
+    name: "nvidia_peermem",
+    authors: ["peermem-rs developers"],
+    description: "NVIDIA GPU memory plug-in for the RDMA peer-memory core (memory-safe Rust)",
+    license: "Dual MIT/GPL",
+    params: {
+        persistent_api_support: i32 {
+            default: 1,
+            description: "1 [default]: one non-invalidating client nv_mem on persistent pins; 0: nv_mem invalidating on the free callback, plus nv_mem_nc non-invalidating",
+        },
+        peerdirect_support: i32 {
+            default: 0,
+            description: "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)",
+        },
+    },
+}
+
+/// `version=` in `.modinfo`, so that `/sys/module/nvidia_peermem/version`
+/// exists: NCCL, UCX and others detect GPUDirect RDMA by that file. The
+/// `module!` macro has no version key.
+#[cfg(MODULE)]
+#[link_section = ".modinfo"]
+#[used]
+static MODINFO_VERSION: [u8; MODINFO_VERSION_LEN] = modinfo_version();
+
+const MODINFO_VERSION_LEN: usize = "version=".len() + env!("PEERMEM_VERSION").len() + 1;
+
+const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
+    let mut out = [0u8; MODINFO_VERSION_LEN];
+    let (k, v) = (b"version=", env!("PEERMEM_VERSION").as_bytes());
+    let mut i = 0;
+    while i < k.len() {
+        out[i] = k[i];
+        i += 1;
+    }
+    while i < k.len() + v.len() {
+        out[i] = v[i - k.len()];
+        i += 1;
+    }
+    out
+}
+
+/// This module's `struct module`.
+pub(crate) fn this_module() -> *mut bindings::module {
+    kernel::module::this_module::<LocalModule>().as_ptr()
+}
+
+/// The module: its core registrations and its debugfs files.
+///
+/// Fields drop in declaration order: the clients unregister first (the core
+/// waits for their registrations, which hold module references, so none is
+/// left), then the statistics go.
+struct NvidiaPeermem {
+    _clients: KVec<CoreRegistration>,
+    _stats: Pin<KBox<File<()>>>,
+    _dir: Dir,
+}
+
+fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+    stats::STATS.show(f)
+}
+
+impl kernel::Module for NvidiaPeermem {
+    fn init(_module: &'static ThisModule) -> Result<Self> {
+        let persistent = module_parameters::persistent_api_support.value();
+        let legacy = module_parameters::peerdirect_support.value();
+        if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
+            pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
+            return Err(EINVAL);
+        }
+        let dir = Dir::new(c"nvidia_peermem");
+        let stats = KBox::pin_init(dir.read_callback_file(c"stats", (), &show_stats), GFP_KERNEL)?;
+        let mut clients = KVec::new();
+        if persistent == 1 {
+            clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
+        } else {
+            let table = if legacy == 1 { &NV_MEM_INVALIDATING_LEGACY } else { &NV_MEM_INVALIDATING };
+            clients.push(CoreRegistration::new(table, Some(&INVALIDATING_LINK))?, GFP_KERNEL)?;
+            clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
+        }
+        let clients_text = match (persistent, legacy) {
+            (1, _) => "nv_mem (persistent)",
+            (_, 1) => "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
+            _ => "nv_mem (invalidating), nv_mem_nc (persistent)",
+        };
+        pr_info!("version {} loaded: {clients_text}\n", env!("PEERMEM_VERSION"));
+        Ok(Self {
+            _clients: clients,
+            _stats: stats,
+            _dir: dir,
+        })
+    }
+}

@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The scatterlist handed to the peer-memory core: one entry per
+//! DMA-contiguous run of GPU pages.
+
+use kernel::{
+    bindings,
+    prelude::*, //
+};
+
+use crate::coalesce::Coalescer;
+
+/// A scatterlist the client allocated and filled; the core holds a copy of
+/// its header while the registration is mapped.
+///
+/// # Invariants
+///
+/// `table` was set up by `sg_alloc_table` and is freed exactly once, by
+/// [`SgTable::free`]. Its entries carry only DMA fields (there are no
+/// `struct page`s behind GPU BAR memory).
+pub(crate) struct SgTable {
+    table: bindings::sg_table,
+}
+
+// SAFETY: the table is plain memory owned by this object.
+unsafe impl Send for SgTable {}
+
+impl SgTable {
+    /// Builds a table with the segments of `addrs` (one bus address per page
+    /// of `page` bytes), merging contiguous pages up to `max_seg` bytes.
+    pub(crate) fn build(addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
+        let n = crate::coalesce::count(addrs, page, max_seg);
+        let nents = u32::try_from(n).map_err(|_| EINVAL)?;
+        // SAFETY: an all-zero `sg_table` is the empty table.
+        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
+        // SAFETY: `table` is a valid, empty table.
+        kernel::error::to_result(unsafe {
+            bindings::sg_alloc_table(&mut table, nents, bindings::GFP_KERNEL)
+        })?;
+        // INVARIANT: allocated above; freed by `free` (or below on error).
+        let this = Self { table };
+        let mut sg = this.table.sgl;
+        for seg in Coalescer::new(addrs, page, max_seg) {
+            if sg.is_null() {
+                // Unreachable: the table has exactly `count` entries.
+                this.free();
+                return Err(EINVAL);
+            }
+            // The coalescer bounds every segment to `u32::MAX`.
+            let len = seg.len as u32;
+            // SAFETY: `sg` is one of the table's `nents` entries.
+            unsafe {
+                (*sg).offset = 0;
+                (*sg).length = len;
+                (*sg).dma_address = seg.addr;
+                (*sg).dma_length = len;
+                sg = bindings::sg_next(sg);
+            }
+        }
+        Ok(this)
+    }
+
+    /// Number of entries.
+    pub(crate) fn nents(&self) -> u32 {
+        self.table.nents
+    }
+
+    /// Hands a copy of the header to the core's `sg_head`.
+    ///
+    /// # Safety
+    ///
+    /// `head` must point to the core's table for this registration.
+    pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) {
+        // SAFETY: per the caller's guarantee.
+        unsafe { *head = self.table };
+    }
+
+    /// Frees the entries.
+    pub(crate) fn free(mut self) {
+        // SAFETY: allocated by `sg_alloc_table` and not freed before (type
+        // invariant; `self` is consumed).
+        unsafe { bindings::sg_free_table(&mut self.table) };
+    }
+}

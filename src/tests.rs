@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! KUnit suites of the module's internals (built only with CONFIG_KUNIT=y;
+//! they run when the module is loaded).
+
+use kernel::prelude::*;
+
+#[kunit_tests(nvidia_peermem_range)]
+mod range_tests {
+    use crate::range::{
+        granule,
+        GpuRange,
+        RangeError,
+        GPU_PAGE_SIZE, //
+    };
+
+    const G: u64 = GPU_PAGE_SIZE;
+
+    #[test]
+    fn zero_length_is_refused() {
+        assert_eq!(GpuRange::widen(0x1000, 0, G), Err(RangeError::Empty));
+    }
+
+    #[test]
+    fn one_byte_widens_to_one_page() {
+        assert_eq!(GpuRange::widen(0x12345, 1, G), Ok(GpuRange { start: 0x10000, len: G }));
+    }
+
+    #[test]
+    fn exact_page_stays() {
+        assert_eq!(GpuRange::widen(0x20000, G, G), Ok(GpuRange { start: 0x20000, len: G }));
+    }
+
+    #[test]
+    fn unaligned_both_ends() {
+        let r = GpuRange::widen(0x1_0001, 2 * G, G).unwrap();
+        assert_eq!(r, GpuRange { start: 0x1_0000, len: 3 * G });
+        assert_eq!(r.pages(G), 3);
+    }
+
+    #[test]
+    fn crossing_2_64_overflows() {
+        assert_eq!(GpuRange::widen(u64::MAX - 10, 100, G), Err(RangeError::Overflow));
+    }
+
+    #[test]
+    fn last_page_of_address_space_overflows_on_end() {
+        assert_eq!(GpuRange::widen(u64::MAX - G + 1, G, G), Err(RangeError::Overflow));
+    }
+
+    #[test]
+    fn granule_is_at_least_64k() {
+        assert_eq!(granule(4096), G);
+        assert_eq!(granule(1 << 16), G);
+        assert_eq!(granule(1 << 18), 1 << 18);
+    }
+}
+
+#[kunit_tests(nvidia_peermem_coalesce)]
+mod coalesce_tests {
+    use crate::coalesce::{
+        count,
+        Coalescer,
+        Segment, //
+    };
+
+    const P: u64 = 1 << 16;
+
+    #[test]
+    fn contiguous_run_is_one_segment() {
+        let a = [0x1000_0000, 0x1001_0000, 0x1002_0000];
+        let s: [Option<Segment>; 2] = {
+            let mut it = Coalescer::new(&a, P, 1 << 31);
+            [it.next(), it.next()]
+        };
+        assert_eq!(s[0], Some(Segment { addr: 0x1000_0000, len: 3 * P }));
+        assert_eq!(s[1], None);
+    }
+
+    #[test]
+    fn gap_splits() {
+        let a = [0x1000_0000, 0x1001_0000, 0x2000_0000, 0x2001_0000];
+        assert_eq!(count(&a, P, 1 << 31), 2);
+    }
+
+    #[test]
+    fn max_segment_bounds_runs() {
+        let a = [0, P, 2 * P, 3 * P, 4 * P];
+        assert_eq!(count(&a, P, 2 * P), 3);
+        assert_eq!(count(&a, P, 2 * P + 1), 3);
+        assert_eq!(count(&a, P, 1), 5);
+    }
+
+    #[test]
+    fn single_page() {
+        assert_eq!(count(&[0x4000_0000], P, 1 << 31), 1);
+    }
+}
+
+#[kunit_tests(nvidia_peermem_lifecycle)]
+mod lifecycle_tests {
+    use crate::lifecycle::{
+        Invalidate,
+        Lifecycle,
+        Outcome,
+        Phase,
+        Refusal,
+        Teardown, //
+    };
+
+    fn mapped(invalidating: bool) -> Lifecycle {
+        let mut l = Lifecycle::new(invalidating);
+        l.start_pin().unwrap();
+        assert_eq!(l.pin_succeeded(), Outcome::Done);
+        l.start_map().unwrap();
+        assert_eq!(l.map_succeeded(), Outcome::Done);
+        l
+    }
+
+    #[test]
+    fn persistent_full_life() {
+        let mut l = mapped(false);
+        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: true, unpin_provider: false });
+        assert_eq!(l.unmap(), Teardown::default());
+        assert_eq!(l.unpin(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert!(!l.unpinned());
+        assert_eq!(l.release(), Teardown::default());
+        l.released();
+        assert_eq!(l.phase(), Phase::Released);
+    }
+
+    #[test]
+    fn invalidating_unpin_reclaims_callback_ref_once() {
+        let mut l = mapped(true);
+        assert!(l.callback_armed());
+        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
+        assert_eq!(l.unpin(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert!(l.unpinned());
+        assert!(!l.unpinned());
+        assert_eq!(l.invalidate(), Invalidate::Quiet);
+    }
+
+    #[test]
+    fn revoke_while_mapped_then_teardown_touches_nothing() {
+        let mut l = mapped(true);
+        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
+        assert!(!l.callback_armed());
+        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
+        assert_eq!(l.unpin(), Teardown::default());
+        assert!(!l.unpinned());
+        assert_eq!(l.release(), Teardown::default());
+    }
+
+    #[test]
+    fn revoke_while_pinning_fails_the_pin() {
+        let mut l = Lifecycle::new(true);
+        l.start_pin().unwrap();
+        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
+        assert_eq!(l.pin_succeeded(), Outcome::Revoked);
+        assert_eq!(l.start_map(), Err(Refusal::Revoked));
+    }
+
+    #[test]
+    fn forbidden_orders() {
+        let mut l = Lifecycle::new(false);
+        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Acquired)));
+        l.start_pin().unwrap();
+        assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Pinning)));
+        l.pin_failed();
+        assert_eq!(l.phase(), Phase::Acquired);
+        assert_eq!(l.unpin(), Teardown::default());
+    }
+
+    #[test]
+    fn release_of_mapped_undoes_everything() {
+        let mut l = mapped(false);
+        assert_eq!(l.release(), Teardown { free_sg: true, unmap_provider: true, unpin_provider: true });
+    }
+}
