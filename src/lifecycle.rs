@@ -219,8 +219,18 @@ impl Lifecycle {
         }
     }
 
-    /// `put_pages`: idempotent; never touches provider objects after a revoke.
-    pub(crate) fn unpin(&mut self) -> Teardown {
+    /// `put_pages`: the same as [`Lifecycle::unmap`]; the unpin itself waits
+    /// for `release`. The core may call `put_pages` (and `dma_unmap`) with its
+    /// per-registration mapping lock held — on legacy cores from deregistration,
+    /// on all cores when unwinding a failed `dma_map` — while the GPU driver
+    /// holds its own lock around the free callback, which needs the mapping
+    /// lock: unpinning there would invert the two (MLNX_OFED bug 2696789).
+    /// `release` always runs without the mapping lock.
+    pub(crate) fn put_pages(&mut self) -> Teardown {
+        self.unmap()
+    }
+
+    fn unpin(&mut self) -> Teardown {
         match self.phase {
             Phase::Pinned | Phase::Mapped => {
                 let mapped = self.phase == Phase::Mapped;

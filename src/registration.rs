@@ -323,10 +323,11 @@ impl Registration {
         self.teardown(t);
     }
 
-    /// `put_pages`: idempotent; after a revoke it touches nothing of the
+    /// `put_pages`: idempotent; the unpin waits for `release` (see
+    /// [`Lifecycle::put_pages`]); after a revoke it touches nothing of the
     /// GPU driver's.
     pub(crate) fn put_pages(&self) {
-        let t = self.inner.lock().lc.unpin();
+        let t = self.inner.lock().lc.put_pages();
         self.teardown(t);
     }
 

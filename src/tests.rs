@@ -122,7 +122,8 @@ mod lifecycle_tests {
         let mut l = mapped(false);
         assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: true, unpin_provider: false });
         assert_eq!(l.unmap(), Teardown::default());
-        assert_eq!(l.unpin(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert_eq!(l.put_pages(), Teardown::default());
+        assert_eq!(l.release(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
         assert!(!l.unpinned());
         assert_eq!(l.release(), Teardown::default());
         l.released();
@@ -134,7 +135,8 @@ mod lifecycle_tests {
         let mut l = mapped(true);
         assert!(l.callback_armed());
         assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
-        assert_eq!(l.unpin(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert_eq!(l.put_pages(), Teardown::default());
+        assert_eq!(l.release(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
         assert!(l.unpinned());
         assert!(!l.unpinned());
         assert_eq!(l.invalidate(), Invalidate::Quiet);
@@ -146,7 +148,7 @@ mod lifecycle_tests {
         assert_eq!(l.invalidate(), Invalidate::NotifyCore);
         assert!(!l.callback_armed());
         assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
-        assert_eq!(l.unpin(), Teardown::default());
+        assert_eq!(l.put_pages(), Teardown::default());
         assert!(!l.unpinned());
         assert_eq!(l.release(), Teardown::default());
     }
@@ -168,7 +170,7 @@ mod lifecycle_tests {
         assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Pinning)));
         l.pin_failed();
         assert_eq!(l.phase(), Phase::Acquired);
-        assert_eq!(l.unpin(), Teardown::default());
+        assert_eq!(l.release(), Teardown::default());
     }
 
     #[test]
