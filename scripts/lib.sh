@@ -35,6 +35,9 @@ in_root() {
 		mkdir -p "$r$top" "$r$work"
 		mount --bind "$top" "$r$top"
 		mount --bind "$work" "$r$work"
+		# Trust what the host trusts (a proxy or corporate CA for the registries).
+		ca=/etc/ssl/certs/ca-certificates.crt
+		if [ -f "$ca" ] && [ -f "$r$ca" ]; then mount --bind -o ro "$ca" "$r$ca"; fi
 		case "$cwd" in "$top"*|"$work"*) ;; *) cwd=$top ;; esac
 		exec chroot "$r" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
 			PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

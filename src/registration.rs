@@ -74,6 +74,10 @@ struct Inner {
     peer: Option<Peer>,
     sg: Option<SgTable>,
     core_context: Option<u64>,
+    /// The provider refused to pin a range that is its memory (BAR1
+    /// exhausted, ...): reported by `get_pages` as the errno it is, instead of
+    /// the core's "Bad address" for memory nobody claimed.
+    pin_error: Option<Error>,
 }
 
 /// Holds a reference on this module, and counts one live registration, for
@@ -148,13 +152,22 @@ impl Registration {
                     peer: None,
                     sg: None,
                     core_context: None,
+                    pin_error: None,
                 }),
                 _live: Liveness::new(),
             }),
             GFP_KERNEL,
         )?;
-        reg.pin()?;
-        Ok(reg)
+        match reg.pin() {
+            Ok(()) => Ok(reg),
+            // Not GPU memory, or not this process's: not ours.
+            Err(e) if e == EINVAL || e == EOPNOTSUPP || e == EFAULT => Err(e),
+            // The GPU driver's memory, which it cannot pin now: ours, failing.
+            Err(e) => {
+                reg.inner.lock().pin_error = Some(e);
+                Ok(reg)
+            }
+        }
     }
 
     fn pin(self: &Arc<Self>) -> Result {
@@ -208,6 +221,11 @@ impl Registration {
             // the core holds during `get_pages`, so the table stays valid.
             (Phase::Pinned, Some(t)) => unsafe { t.check(&self.range) }.map_err(Some),
             (Phase::Revoked, _) => Err(None),
+            (Phase::Acquired, _) if g.pin_error.is_some() => {
+                let e = g.pin_error.unwrap_or(EIO);
+                drop(g);
+                return Err(fail!(Cause::Pin, e, "the GPU driver could not pin {:#x}+{:#x}", self.range.start, self.range.len));
+            }
             (p, _) => {
                 drop(g);
                 return Err(fail!(Cause::Order, EINVAL, "get_pages in phase {p:?}"));
@@ -396,9 +414,12 @@ impl Registration {
             let a = g.lc.invalidate();
             // INVARIANT: no longer pinned by us: the provider frees these
             // as soon as this callback returns.
-            g.table = None;
+            let was_pinned = g.table.take().is_some();
             g.mapping = None;
             g.peer = None;
+            if was_pinned {
+                STATS.pinned_bytes.fetch_sub(pinned(&self.range), Relaxed);
+            }
             (a, g.core_context)
         };
         reg_dbg!("free callback for {:#x}+{:#x}: {action:?}", self.range.start, self.range.len);

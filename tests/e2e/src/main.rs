@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! End-to-end scenarios of nvidia_peermem, run inside the QEMU guest of the
+//! testbed: emulated GPUs (nv_p2p_emu), emulated peer-memory core and HCA
+//! (peer_mem_core). Every scenario asserts bytes moved by the device, states,
+//! errnos and counters.
+//!
+//! Output: `E2E ok <mode>/<scenario> ...` or `E2E FAIL <mode>/<scenario>: why`,
+//! then `E2E-SUMMARY: N passed, M failed`.
+
+mod dev;
+mod module;
+mod scenarios;
+mod uapi;
+
+use std::time::Instant;
+
+use dev::{Core, Gpu};
+
+/// How the module under test is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// persistent_api_support=1: one persistent client nv_mem.
+    Persistent,
+    /// persistent_api_support=0: nv_mem invalidating (extended), nv_mem_nc.
+    Invalidating,
+    /// persistent_api_support=0 peerdirect_support=1: legacy core flow.
+    Legacy,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Persistent => "persistent",
+            Mode::Invalidating => "invalidating",
+            Mode::Legacy => "legacy",
+        }
+    }
+
+    fn params(self) -> Vec<&'static str> {
+        match self {
+            Mode::Persistent => vec!["persistent_api_support=1"],
+            Mode::Invalidating => vec!["persistent_api_support=0"],
+            Mode::Legacy => vec!["persistent_api_support=0", "peerdirect_support=1"],
+        }
+    }
+
+    /// Whether an MR (IB_PEER_MEM_INVAL_SUPP) is backed by an invalidating pin.
+    pub fn invalidating(self) -> bool {
+        self != Mode::Persistent
+    }
+}
+
+/// Paths and options from the command line.
+pub struct Opts {
+    pub peermem: String,
+    pub emu: String,
+    pub reference: bool,
+    pub quick: bool,
+    pub filter: Option<String>,
+}
+
+/// What a scenario works with.
+pub struct Ctx {
+    pub mode: Mode,
+    pub opts: Opts,
+    pub gpu: Option<Gpu>,
+    pub core: Core,
+    pub seed: u64,
+    emu_args: Vec<String>,
+}
+
+impl Ctx {
+    pub fn gpu(&self) -> &Gpu {
+        self.gpu.as_ref().expect("GPU driver open")
+    }
+
+    /// A pseudo-random number (xorshift; the seed is printed at start).
+    pub fn rand(&mut self) -> u64 {
+        let mut x = self.seed;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.seed = x;
+        x
+    }
+
+    pub fn load(&self) -> Result<(), String> {
+        module::insmod(&self.opts.peermem, &self.mode.params())
+    }
+
+    pub fn unload(&self) -> Result<(), String> {
+        if module::rmmod("nvidia_peermem")? {
+            Ok(())
+        } else {
+            Err("rmmod nvidia_peermem refused".into())
+        }
+    }
+
+    /// Reloads the emulated GPU driver with `args` (module under test too).
+    pub fn reload_provider(&mut self, args: &[&str]) -> Result<(), String> {
+        self.unload()?;
+        self.gpu = None;
+        if !module::rmmod("nv_p2p_emu")? {
+            return Err("rmmod nv_p2p_emu refused".into());
+        }
+        module::insmod(&self.opts.emu, args)?;
+        self.emu_args = args.iter().map(|s| s.to_string()).collect();
+        self.gpu = Some(Gpu::open()?);
+        self.load()
+    }
+
+    pub fn provider_is_default(&self) -> bool {
+        self.emu_args.is_empty()
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut modes = vec![Mode::Persistent, Mode::Invalidating, Mode::Legacy];
+    let mut opts = Opts {
+        peermem: "/lib/peermem/nvidia_peermem.ko".into(),
+        emu: "/lib/peermem/nv_p2p_emu.ko".into(),
+        reference: false,
+        quick: false,
+        filter: None,
+    };
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--modes" => {
+                modes = args
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .map(|m| match m {
+                        "persistent" => Mode::Persistent,
+                        "invalidating" => Mode::Invalidating,
+                        "legacy" => Mode::Legacy,
+                        _ => panic!("unknown mode {m}"),
+                    })
+                    .collect()
+            }
+            "--module" => opts.peermem = args.next().unwrap_or_default(),
+            "--emu" => opts.emu = args.next().unwrap_or_default(),
+            "--reference" => opts.reference = true,
+            "--quick" => opts.quick = true,
+            "--filter" => opts.filter = args.next(),
+            "--seed" => seed = args.next().and_then(|s| s.parse().ok()).unwrap_or(seed),
+            _ => panic!("unknown argument {a}"),
+        }
+    }
+    println!("E2E seed {seed}");
+    let (mut passed, mut failed) = (0u32, 0u32);
+    let gpu = match Gpu::open() {
+        Ok(g) => g,
+        Err(e) => {
+            println!("E2E FAIL setup: {e}");
+            println!("E2E-SUMMARY: 0 passed, 1 failed");
+            return;
+        }
+    };
+    let core = Core::open().expect("peer_mem_core");
+    let mut ctx = Ctx { mode: modes[0], opts, gpu: Some(gpu), core, seed, emu_args: Vec::new() };
+    for mode in modes {
+        ctx.mode = mode;
+        if let Err(e) = ctx.load() {
+            println!("E2E FAIL {}/load: {e}", mode.name());
+            failed += 1;
+            continue;
+        }
+        for s in scenarios::ALL {
+            if let Some(f) = &ctx.opts.filter {
+                if !s.name.contains(f.as_str()) {
+                    continue;
+                }
+            }
+            if !(s.applies)(&ctx) {
+                continue;
+            }
+            let t = Instant::now();
+            let r = (s.run)(&mut ctx).and_then(|detail| scenarios::quiescent(&ctx).map(|_| detail));
+            let ms = t.elapsed().as_millis();
+            match r {
+                Ok(detail) => {
+                    passed += 1;
+                    println!("E2E ok {}/{} ({ms} ms) {detail}", mode.name(), s.name);
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("E2E FAIL {}/{}: {e}", mode.name(), s.name);
+                    // Start the next scenario clean: closing the core's file
+                    // deregisters whatever this one left behind.
+                    match Core::open() {
+                        Ok(c) => ctx.core = c,
+                        Err(e) => println!("E2E FAIL {}/reopen: {e}", mode.name()),
+                    }
+                }
+            }
+            if !module::loaded("nvidia_peermem") {
+                if let Err(e) = ctx.load() {
+                    println!("E2E FAIL {}/reload: {e}", mode.name());
+                    failed += 1;
+                }
+            }
+            if !ctx.provider_is_default() {
+                if let Err(e) = ctx.reload_provider(&[]) {
+                    println!("E2E FAIL {}/provider-reload: {e}", mode.name());
+                    failed += 1;
+                }
+            }
+        }
+        match ctx.unload() {
+            Ok(()) => passed += 1,
+            Err(e) => {
+                println!("E2E FAIL {}/unload: {e}", mode.name());
+                failed += 1;
+            }
+        }
+    }
+    println!("E2E-SUMMARY: {passed} passed, {failed} failed");
+}
