@@ -76,7 +76,11 @@ const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
     ClientTable(ffi::peer_memory_client_ex {
         client,
         ex_size: core::mem::size_of::<ffi::peer_memory_client_ex>(),
-        flags: if extended { ffi::PEER_MEM_INVALIDATE_UNMAPS as u32 } else { 0 },
+        flags: if extended {
+            ffi::PEER_MEM_INVALIDATE_UNMAPS
+        } else {
+            0
+        },
     })
 }
 
@@ -112,7 +116,10 @@ unsafe impl Sync for CoreRegistration {}
 
 impl CoreRegistration {
     /// Registers `table`; with `link`, as an invalidating client.
-    pub(crate) fn new(table: &'static ClientTable, link: Option<&'static CoreLink>) -> Result<Self> {
+    pub(crate) fn new(
+        table: &'static ClientTable,
+        link: Option<&'static CoreLink>,
+    ) -> Result<Self> {
         let slot = link.map_or(core::ptr::null_mut(), |l| l.hook_slot());
         // SAFETY: `table` is 'static; `slot` is NULL or a 'static slot.
         let handle = unsafe { ffi::ib_register_peer_memory_client(&table.0.client, slot) };
@@ -150,6 +157,11 @@ unsafe fn borrow<'a>(ctx: *mut c_void) -> ArcBorrow<'a, Registration> {
     unsafe { <Arc<Registration> as ForeignOwnable>::borrow(ctx.cast()) }
 }
 
+/// `acquire`: claims the range if it is GPU memory the provider can pin.
+///
+/// # Safety
+///
+/// Called by the core with `client_context` NULL or a valid out-pointer.
 unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     addr: c_ulong,
     size: usize,
@@ -185,6 +197,11 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     }
 }
 
+/// `get_pages`: see [`Registration::get_pages`].
+///
+/// # Safety
+///
+/// `client_context` must be a live context returned by `acquire`.
 unsafe extern "C" fn get_pages(
     addr: c_ulong,
     size: usize,
@@ -202,6 +219,13 @@ unsafe extern "C" fn get_pages(
     }
 }
 
+/// `dma_map`: see [`Registration::dma_map`].
+///
+/// # Safety
+///
+/// `client_context` must be a live context returned by `acquire`; `sg_head`
+/// the core's table for it and `nmap` NULL or valid; `dma_device` NULL or a
+/// device the core keeps alive while the registration is mapped.
 unsafe extern "C" fn dma_map(
     sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
@@ -226,6 +250,11 @@ unsafe extern "C" fn dma_map(
     }
 }
 
+/// `dma_unmap`: see [`Registration::dma_unmap`].
+///
+/// # Safety
+///
+/// `client_context` must be a live context returned by `acquire`.
 unsafe extern "C" fn dma_unmap(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
@@ -236,17 +265,33 @@ unsafe extern "C" fn dma_unmap(
     0
 }
 
+/// `put_pages`: see [`Registration::put_pages`].
+///
+/// # Safety
+///
+/// `client_context` must be a live context returned by `acquire`.
 unsafe extern "C" fn put_pages(_sg_head: *mut bindings::sg_table, client_context: *mut c_void) {
     // SAFETY: the core passes the context `acquire` returned.
     unsafe { borrow(client_context) }.put_pages();
 }
 
+/// `get_page_size`: the granule of every entry we build.
+///
+/// # Safety
+///
+/// No requirement; `unsafe` only for the C function table's type.
 unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
     // Every entry we build starts and ends on a 64 KiB boundary; the core
     // trims the first and last to the user's range.
     crate::range::granule(bindings::PAGE_SIZE as u64) as c_ulong
 }
 
+/// `release`: see [`Registration::release`].
+///
+/// # Safety
+///
+/// `client_context` must be a live context returned by `acquire`, released
+/// once.
 unsafe extern "C" fn release(client_context: *mut c_void) {
     // SAFETY: the core passes the context `acquire` returned, once, here.
     let reg = unsafe { <Arc<Registration> as ForeignOwnable>::from_foreign(client_context.cast()) };

@@ -55,7 +55,11 @@ pub(crate) fn provider_error(rc: i32) -> Error {
     let e = Error::from_errno(rc);
     if e == ENOTSUPP || e == EOPNOTSUPP {
         EOPNOTSUPP
-    } else if [EINVAL, ENOMEM, EFAULT, EBUSY, EIO, ENODEV, EPERM, EAGAIN, ENOENT].contains(&e) {
+    } else if [
+        EINVAL, ENOMEM, EFAULT, EBUSY, EIO, ENODEV, EPERM, EAGAIN, ENOENT,
+    ]
+    .contains(&e)
+    {
         e
     } else {
         EIO

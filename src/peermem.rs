@@ -112,13 +112,23 @@ impl kernel::Module for NvidiaPeermem {
             return Err(EINVAL);
         }
         let dir = Dir::new(c"nvidia_peermem");
-        let stats = KBox::pin_init(dir.read_callback_file(c"stats", (), &show_stats), GFP_KERNEL)?;
+        let stats = KBox::pin_init(
+            dir.read_callback_file(c"stats", (), &show_stats),
+            GFP_KERNEL,
+        )?;
         let mut clients = KVec::new();
         if persistent == 1 {
             clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
         } else {
-            let table = if legacy == 1 { &NV_MEM_INVALIDATING_LEGACY } else { &NV_MEM_INVALIDATING };
-            clients.push(CoreRegistration::new(table, Some(&INVALIDATING_LINK))?, GFP_KERNEL)?;
+            let table = if legacy == 1 {
+                &NV_MEM_INVALIDATING_LEGACY
+            } else {
+                &NV_MEM_INVALIDATING
+            };
+            clients.push(
+                CoreRegistration::new(table, Some(&INVALIDATING_LINK))?,
+                GFP_KERNEL,
+            )?;
             clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
         }
         let clients_text = match (persistent, legacy) {
@@ -126,7 +136,10 @@ impl kernel::Module for NvidiaPeermem {
             (_, 1) => "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
             _ => "nv_mem (invalidating), nv_mem_nc (persistent)",
         };
-        pr_info!("version {} loaded: {clients_text}\n", env!("PEERMEM_VERSION"));
+        pr_info!(
+            "version {} loaded: {clients_text}\n",
+            env!("PEERMEM_VERSION")
+        );
         Ok(Self {
             _clients: clients,
             _stats: stats,

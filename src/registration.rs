@@ -26,8 +26,8 @@ use crate::{
     lifecycle::{
         Invalidate,
         Lifecycle,
-        Phase,
         Outcome,
+        Phase,
         Refusal,
         Teardown, //
     },
@@ -137,7 +137,11 @@ impl Registration {
         let range = GpuRange::widen(addr, size, range::granule(bindings::PAGE_SIZE as u64))
             .map_err(|e| {
                 reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
-                fail!(Cause::BadRange, EINVAL, "refused range {addr:#x}+{size:#x}: {e:?}")
+                fail!(
+                    Cause::BadRange,
+                    EINVAL,
+                    "refused range {addr:#x}+{size:#x}: {e:?}"
+                )
             })?;
         let invalidating = mode == Mode::Invalidating;
         let reg = Arc::pin_init(
@@ -191,7 +195,11 @@ impl Registration {
             Ok(t) => t,
             Err(e) => {
                 self.inner.lock().lc.pin_failed();
-                reg_dbg!("acquire {:#x}+{:#x}: declined ({e:?})", self.range.start, self.range.len);
+                reg_dbg!(
+                    "acquire {:#x}+{:#x}: declined ({e:?})",
+                    self.range.start,
+                    self.range.len
+                );
                 return Err(e);
             }
         };
@@ -204,7 +212,11 @@ impl Registration {
                 STATS.pinned_bytes.add(pinned(&self.range), Relaxed);
                 Ok(())
             }
-            Outcome::Revoked => Err(fail!(Cause::Revoked, EFAULT, "GPU memory freed while pinning")),
+            Outcome::Revoked => Err(fail!(
+                Cause::Revoked,
+                EFAULT,
+                "GPU memory freed while pinning"
+            )),
         }
     }
 
@@ -212,7 +224,11 @@ impl Registration {
     /// gave us and remember the core's id for the invalidate hook.
     pub(crate) fn get_pages(&self, addr: u64, size: u64, core_context: u64) -> Result {
         if !self.range.covers(addr, size) {
-            return Err(fail!(Cause::Order, EINVAL, "get_pages for another range than acquired"));
+            return Err(fail!(
+                Cause::Order,
+                EINVAL,
+                "get_pages for another range than acquired"
+            ));
         }
         let mut g = self.inner.lock();
         let checked = match (g.lc.phase(), g.table.as_ref()) {
@@ -224,7 +240,13 @@ impl Registration {
             (Phase::Acquired, _) if g.pin_error.is_some() => {
                 let e = g.pin_error.unwrap_or(EIO);
                 drop(g);
-                return Err(fail!(Cause::Pin, e, "the GPU driver could not pin {:#x}+{:#x}", self.range.start, self.range.len));
+                return Err(fail!(
+                    Cause::Pin,
+                    e,
+                    "the GPU driver could not pin {:#x}+{:#x}",
+                    self.range.start,
+                    self.range.len
+                ));
             }
             (p, _) => {
                 drop(g);
@@ -238,12 +260,20 @@ impl Registration {
             }
             Err(None) => {
                 drop(g);
-                Err(fail!(Cause::Revoked, EFAULT, "GPU memory freed before get_pages"))
+                Err(fail!(
+                    Cause::Revoked,
+                    EFAULT,
+                    "GPU memory freed before get_pages"
+                ))
             }
             Err(Some(m)) => {
                 drop(g);
                 // `release` unpins.
-                Err(fail!(Cause::PageTable, EOPNOTSUPP, "unsupported NVIDIA page table: {m:?}"))
+                Err(fail!(
+                    Cause::PageTable,
+                    EOPNOTSUPP,
+                    "unsupported NVIDIA page table: {m:?}"
+                ))
             }
         }
     }
@@ -263,14 +293,20 @@ impl Registration {
         // SAFETY: `dma_device` is NULL or a live device (caller).
         let pdev = unsafe { ffi::peermem_to_pci_dev(dma_device) };
         if pdev.is_null() {
-            return Err(fail!(Cause::NotPci, EINVAL, "dma_device is not a PCI device"));
+            return Err(fail!(
+                Cause::NotPci,
+                EINVAL,
+                "dma_device is not a PCI device"
+            ));
         }
         let table_ptr = {
             let mut g = self.inner.lock();
             if let Err(r) = g.lc.start_map() {
                 drop(g);
                 return Err(match r {
-                    Refusal::Revoked => fail!(Cause::Revoked, EFAULT, "GPU memory freed before dma_map"),
+                    Refusal::Revoked => {
+                        fail!(Cause::Revoked, EFAULT, "GPU memory freed before dma_map")
+                    }
                     Refusal::Forbidden(p) => fail!(Cause::Order, EINVAL, "dma_map in phase {p:?}"),
                 });
             }
@@ -295,7 +331,11 @@ impl Registration {
         let entries = self.range.pages(GPU_PAGE_SIZE) as u32;
         // SAFETY: the mapping is valid for the same reason as the table.
         let built = match unsafe { mapping.addresses(entries) } {
-            Err(m) => Err(fail!(Cause::DmaMapping, EOPNOTSUPP, "unsupported NVIDIA DMA mapping: {m:?}")),
+            Err(m) => Err(fail!(
+                Cause::DmaMapping,
+                EOPNOTSUPP,
+                "unsupported NVIDIA DMA mapping: {m:?}"
+            )),
             Ok(addrs) => {
                 // SAFETY: `dma_device` is live (caller).
                 let max_seg = u64::from(unsafe { ffi::peermem_dma_max_seg_size(dma_device) });
@@ -324,13 +364,21 @@ impl Registration {
                 drop(g);
                 STATS.registrations.add(1, Relaxed);
                 STATS.sg_entries.add(u64::from(nents), Relaxed);
-                reg_dbg!("mapped {:#x}+{:#x}: {nents} entries", self.range.start, self.range.len);
+                reg_dbg!(
+                    "mapped {:#x}+{:#x}: {nents} entries",
+                    self.range.start,
+                    self.range.len
+                );
                 Ok(nents)
             }
             Outcome::Revoked => {
                 drop(g);
                 sg.free();
-                Err(fail!(Cause::Revoked, EFAULT, "GPU memory freed while mapping"))
+                Err(fail!(
+                    Cause::Revoked,
+                    EFAULT,
+                    "GPU memory freed while mapping"
+                ))
             }
         }
     }
@@ -366,7 +414,11 @@ impl Registration {
             let undo_map = t.unmap_provider || t.unpin_provider;
             let mapping = if undo_map { g.mapping.take() } else { None };
             let peer = if undo_map { g.peer.take() } else { None };
-            let table = if t.unpin_provider { g.table.take() } else { None };
+            let table = if t.unpin_provider {
+                g.table.take()
+            } else {
+                None
+            };
             // SAFETY: still pinned (we only unmap); see `unmap_provider`.
             let pinned_table = g.table.as_ref().map(|t| unsafe { t.alias() });
             (sg, mapping, peer, table, pinned_table)
@@ -375,7 +427,9 @@ impl Registration {
             sg.free();
         }
         if t.unmap_provider {
-            if let (Some(m), Some(p), Some(tb)) = (mapping, peer, table.as_ref().or(pinned_table.as_ref())) {
+            if let (Some(m), Some(p), Some(tb)) =
+                (mapping, peer, table.as_ref().or(pinned_table.as_ref()))
+            {
                 // SAFETY: `unmap_provider` is only decided for persistent
                 // pages (no free callback): the table and mapping are valid
                 // until we unpin, which comes after this.
@@ -401,7 +455,7 @@ impl Registration {
             // SAFETY: the provider's unpin returned and its callback never
             // fired: the reference given to it in `pin` is ours to drop. It is
             // not the last one: our caller holds another (the core's).
-            drop(unsafe { Arc::from_raw(self as *const Self) });
+            drop(unsafe { Arc::from_raw(core::ptr::from_ref::<Self>(self)) });
         }
     }
 
@@ -422,7 +476,11 @@ impl Registration {
             }
             (a, g.core_context)
         };
-        reg_dbg!("free callback for {:#x}+{:#x}: {action:?}", self.range.start, self.range.len);
+        reg_dbg!(
+            "free callback for {:#x}+{:#x}: {action:?}",
+            self.range.start,
+            self.range.len
+        );
         if action == Invalidate::NotifyCore {
             if let (Some(ctx), Some(link)) = (ctx, self.link) {
                 STATS.core_invalidations.add(1, Relaxed);

@@ -5,11 +5,9 @@
 
 use core::fmt;
 
-use kernel::{
-    sync::atomic::{
-        Atomic,
-        Relaxed, //
-    },
+use kernel::sync::atomic::{
+    Atomic,
+    Relaxed, //
 };
 
 /// Why a call failed, for counting and for logging once.

@@ -23,29 +23,53 @@ mod range_tests {
 
     #[test]
     fn one_byte_widens_to_one_page() {
-        assert_eq!(GpuRange::widen(0x12345, 1, G), Ok(GpuRange { start: 0x10000, len: G }));
+        assert_eq!(
+            GpuRange::widen(0x12345, 1, G),
+            Ok(GpuRange {
+                start: 0x10000,
+                len: G
+            })
+        );
     }
 
     #[test]
     fn exact_page_stays() {
-        assert_eq!(GpuRange::widen(0x20000, G, G), Ok(GpuRange { start: 0x20000, len: G }));
+        assert_eq!(
+            GpuRange::widen(0x20000, G, G),
+            Ok(GpuRange {
+                start: 0x20000,
+                len: G
+            })
+        );
     }
 
     #[test]
     fn unaligned_both_ends() {
         let r = GpuRange::widen(0x1_0001, 2 * G, G).unwrap();
-        assert_eq!(r, GpuRange { start: 0x1_0000, len: 3 * G });
+        assert_eq!(
+            r,
+            GpuRange {
+                start: 0x1_0000,
+                len: 3 * G
+            }
+        );
         assert_eq!(r.pages(G), 3);
     }
 
     #[test]
     fn crossing_2_64_overflows() {
-        assert_eq!(GpuRange::widen(u64::MAX - 10, 100, G), Err(RangeError::Overflow));
+        assert_eq!(
+            GpuRange::widen(u64::MAX - 10, 100, G),
+            Err(RangeError::Overflow)
+        );
     }
 
     #[test]
     fn last_page_of_address_space_overflows_on_end() {
-        assert_eq!(GpuRange::widen(u64::MAX - G + 1, G, G), Err(RangeError::Overflow));
+        assert_eq!(
+            GpuRange::widen(u64::MAX - G + 1, G, G),
+            Err(RangeError::Overflow)
+        );
     }
 
     #[test]
@@ -73,7 +97,13 @@ mod coalesce_tests {
             let mut it = Coalescer::new(&a, P, 1 << 31);
             [it.next(), it.next()]
         };
-        assert_eq!(s[0], Some(Segment { addr: 0x1000_0000, len: 3 * P }));
+        assert_eq!(
+            s[0],
+            Some(Segment {
+                addr: 0x1000_0000,
+                len: 3 * P
+            })
+        );
         assert_eq!(s[1], None);
     }
 
@@ -120,10 +150,24 @@ mod lifecycle_tests {
     #[test]
     fn persistent_full_life() {
         let mut l = mapped(false);
-        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: true, unpin_provider: false });
+        assert_eq!(
+            l.unmap(),
+            Teardown {
+                free_sg: true,
+                unmap_provider: true,
+                unpin_provider: false
+            }
+        );
         assert_eq!(l.unmap(), Teardown::default());
         assert_eq!(l.put_pages(), Teardown::default());
-        assert_eq!(l.release(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert_eq!(
+            l.release(),
+            Teardown {
+                free_sg: false,
+                unmap_provider: false,
+                unpin_provider: true
+            }
+        );
         assert!(!l.unpinned());
         assert_eq!(l.release(), Teardown::default());
         l.released();
@@ -134,9 +178,23 @@ mod lifecycle_tests {
     fn invalidating_unpin_reclaims_callback_ref_once() {
         let mut l = mapped(true);
         assert!(l.callback_armed());
-        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
+        assert_eq!(
+            l.unmap(),
+            Teardown {
+                free_sg: true,
+                unmap_provider: false,
+                unpin_provider: false
+            }
+        );
         assert_eq!(l.put_pages(), Teardown::default());
-        assert_eq!(l.release(), Teardown { free_sg: false, unmap_provider: false, unpin_provider: true });
+        assert_eq!(
+            l.release(),
+            Teardown {
+                free_sg: false,
+                unmap_provider: false,
+                unpin_provider: true
+            }
+        );
         assert!(l.unpinned());
         assert!(!l.unpinned());
         assert_eq!(l.invalidate(), Invalidate::Quiet);
@@ -147,7 +205,14 @@ mod lifecycle_tests {
         let mut l = mapped(true);
         assert_eq!(l.invalidate(), Invalidate::NotifyCore);
         assert!(!l.callback_armed());
-        assert_eq!(l.unmap(), Teardown { free_sg: true, unmap_provider: false, unpin_provider: false });
+        assert_eq!(
+            l.unmap(),
+            Teardown {
+                free_sg: true,
+                unmap_provider: false,
+                unpin_provider: false
+            }
+        );
         assert_eq!(l.put_pages(), Teardown::default());
         assert!(!l.unpinned());
         assert_eq!(l.release(), Teardown::default());
@@ -176,6 +241,13 @@ mod lifecycle_tests {
     #[test]
     fn release_of_mapped_undoes_everything() {
         let mut l = mapped(false);
-        assert_eq!(l.release(), Teardown { free_sg: true, unmap_provider: true, unpin_provider: true });
+        assert_eq!(
+            l.release(),
+            Teardown {
+                free_sg: true,
+                unmap_provider: true,
+                unpin_provider: true
+            }
+        );
     }
 }

@@ -15,7 +15,9 @@ fn ioctl<T>(f: &File, req: u64, arg: *mut T) -> Result<(), Errno> {
     // SAFETY: `arg` points to a live value of the layout the request expects.
     let rc = unsafe { libc::ioctl(f.as_raw_fd(), req as _, arg) };
     if rc < 0 {
-        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO))
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO))
     } else {
         Ok(())
     }
@@ -44,12 +46,18 @@ pub struct Alloc {
 
 impl Gpu {
     pub fn open() -> Result<Self, String> {
-        Ok(Self { f: open("/dev/nv_p2p_emu")? })
+        Ok(Self {
+            f: open("/dev/nv_p2p_emu")?,
+        })
     }
 
     /// cudaMalloc on `gpu`.
     pub fn alloc(&self, gpu: u64, size: u64) -> Result<Alloc, Errno> {
-        let mut a = NvemuAlloc { gpu, size, offset: 0 };
+        let mut a = NvemuAlloc {
+            gpu,
+            size,
+            offset: 0,
+        };
         ioctl(&self.f, NVEMU_IOC_ALLOC, &mut a)?;
         // SAFETY: a fresh shared mapping of the device at the offset it gave.
         let p = unsafe {
@@ -63,9 +71,15 @@ impl Gpu {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+            return Err(std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO));
         }
-        Ok(Alloc { va: p as u64, size: a.size, mapped: true })
+        Ok(Alloc {
+            va: p as u64,
+            size: a.size,
+            mapped: true,
+        })
     }
 
     /// cudaFree without unmapping (the free ioctl).
@@ -123,12 +137,19 @@ pub struct Core {
 
 impl Core {
     pub fn open() -> Result<Self, String> {
-        Ok(Self { f: open("/dev/peer_mem_core")? })
+        Ok(Self {
+            f: open("/dev/peer_mem_core")?,
+        })
     }
 
     /// ibv_reg_mr; returns the handle.
     pub fn reg(&self, addr: u64, len: u64, flags: u64) -> Result<u64, Errno> {
-        let mut r = PmcReg { addr, len, flags, handle: 0 };
+        let mut r = PmcReg {
+            addr,
+            len,
+            flags,
+            handle: 0,
+        };
         ioctl(&self.f, PMC_IOC_REG, &mut r)?;
         Ok(r.handle)
     }
@@ -139,13 +160,22 @@ impl Core {
     }
 
     pub fn query(&self, handle: u64) -> Result<PmcQuery, Errno> {
-        let mut q = PmcQuery { handle, ..Default::default() };
+        let mut q = PmcQuery {
+            handle,
+            ..Default::default()
+        };
         ioctl(&self.f, PMC_IOC_QUERY, &mut q)?;
         Ok(q)
     }
 
     fn dma(&self, handle: u64, offset: u64, buf: &mut [u8], dir: u64) -> Result<(), Errno> {
-        let mut d = PmcDma { handle, offset, len: buf.len() as u64, dir, buf: buf.as_mut_ptr() as u64 };
+        let mut d = PmcDma {
+            handle,
+            offset,
+            len: buf.len() as u64,
+            dir,
+            buf: buf.as_mut_ptr() as u64,
+        };
         ioctl(&self.f, PMC_IOC_DMA, &mut d)
     }
 

@@ -8,6 +8,7 @@
 //! Output: `E2E ok <mode>/<scenario> ...` or `E2E FAIL <mode>/<scenario>: why`,
 //! then `E2E-SUMMARY: N passed, M failed`.
 
+mod demo;
 mod dev;
 mod module;
 mod scenarios;
@@ -116,6 +117,9 @@ impl Ctx {
 }
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("demo") {
+        std::process::exit(if demo::run() { 0 } else { 1 });
+    }
     let mut args = std::env::args().skip(1);
     let mut modes = vec![Mode::Persistent, Mode::Invalidating, Mode::Legacy];
     let mut opts = Opts {
@@ -161,7 +165,14 @@ fn main() {
         }
     };
     let core = Core::open().expect("peer_mem_core");
-    let mut ctx = Ctx { mode: modes[0], opts, gpu: Some(gpu), core, seed, emu_args: Vec::new() };
+    let mut ctx = Ctx {
+        mode: modes[0],
+        opts,
+        gpu: Some(gpu),
+        core,
+        seed,
+        emu_args: Vec::new(),
+    };
     for mode in modes {
         ctx.mode = mode;
         if let Err(e) = ctx.load() {

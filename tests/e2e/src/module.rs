@@ -6,17 +6,27 @@ use std::{collections::BTreeMap, process::Command};
 
 /// Runs `insmod path args...`.
 pub fn insmod(path: &str, args: &[&str]) -> Result<(), String> {
-    let out = Command::new("insmod").arg(path).args(args).output().map_err(|e| format!("insmod: {e}"))?;
+    let out = Command::new("insmod")
+        .arg(path)
+        .args(args)
+        .output()
+        .map_err(|e| format!("insmod: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("insmod {path} {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()))
+        Err(format!(
+            "insmod {path} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
 /// Runs `rmmod name`; Ok(false) if the kernel refused.
 pub fn rmmod(name: &str) -> Result<bool, String> {
-    let out = Command::new("rmmod").arg(name).output().map_err(|e| format!("rmmod: {e}"))?;
+    let out = Command::new("rmmod")
+        .arg(name)
+        .output()
+        .map_err(|e| format!("rmmod: {e}"))?;
     Ok(out.status.success())
 }
 
@@ -44,8 +54,11 @@ pub fn peer_stat(client: &str, name: &str) -> Option<String> {
 
 /// Arms the provider's fault injection: fail the next `count` calls of `func`.
 pub fn inject(func: &str, count: u32, errno: i32) -> Result<(), String> {
-    std::fs::write("/sys/kernel/debug/nv_p2p_emu/inject", format!("{func} {count} -{errno}"))
-        .map_err(|e| format!("inject {func}: {e}"))
+    std::fs::write(
+        "/sys/kernel/debug/nv_p2p_emu/inject",
+        format!("{func} {count} -{errno}"),
+    )
+    .map_err(|e| format!("inject {func}: {e}"))
 }
 
 pub fn debugfs_write(path: &str, value: &str) -> Result<(), String> {

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use crate::{
     dev::{Alloc, Core, Gpu},
-    module, uapi::*, Ctx, Mode,
+    module,
+    uapi::*,
+    Ctx, Mode,
 };
 
 const K64: u64 = 64 << 10;
@@ -42,26 +44,106 @@ fn ours_invalidating(c: &Ctx) -> bool {
 }
 
 pub const ALL: &[Scenario] = &[
-    Scenario { name: "detection_files", applies: always, run: detection_files },
-    Scenario { name: "register_dma_sizes", applies: always, run: register_dma_sizes },
-    Scenario { name: "several_mrs_one_allocation", applies: always, run: several_mrs },
-    Scenario { name: "host_memory_never_claimed", applies: always, run: host_memory },
-    Scenario { name: "outside_allocation_refused", applies: always, run: outside_allocation },
-    Scenario { name: "two_gpus", applies: always, run: two_gpus },
-    Scenario { name: "free_while_registered_munmap", applies: always, run: free_munmap },
-    Scenario { name: "free_while_registered_ioctl", applies: always, run: free_ioctl },
-    Scenario { name: "cq_umem_non_invalidating", applies: always, run: cq_umem },
-    Scenario { name: "memory_peers_statistics", applies: always, run: memory_peers_stats },
-    Scenario { name: "process_killed_with_live_mrs", applies: always, run: kill_process },
-    Scenario { name: "concurrent_threads", applies: always, run: concurrent },
-    Scenario { name: "rmmod_refused_while_registered", applies: always, run: rmmod_refused },
-    Scenario { name: "bad_input", applies: always, run: bad_input },
-    Scenario { name: "provider_failures_injected", applies: always, run: provider_failures },
-    Scenario { name: "page_table_versions", applies: ours, run: page_table_versions },
-    Scenario { name: "bar1_exhaustion", applies: always, run: bar1_exhaustion },
-    Scenario { name: "free_races_pin", applies: invalidating, run: free_races_pin },
-    Scenario { name: "slow_free_callback", applies: invalidating, run: slow_free_callback },
-    Scenario { name: "one_sg_entry_for_contiguous_256m", applies: ours_invalidating, run: contiguous_256m },
+    Scenario {
+        name: "detection_files",
+        applies: always,
+        run: detection_files,
+    },
+    Scenario {
+        name: "register_dma_sizes",
+        applies: always,
+        run: register_dma_sizes,
+    },
+    Scenario {
+        name: "several_mrs_one_allocation",
+        applies: always,
+        run: several_mrs,
+    },
+    Scenario {
+        name: "host_memory_never_claimed",
+        applies: always,
+        run: host_memory,
+    },
+    Scenario {
+        name: "outside_allocation_refused",
+        applies: always,
+        run: outside_allocation,
+    },
+    Scenario {
+        name: "two_gpus",
+        applies: always,
+        run: two_gpus,
+    },
+    Scenario {
+        name: "free_while_registered_munmap",
+        applies: always,
+        run: free_munmap,
+    },
+    Scenario {
+        name: "free_while_registered_ioctl",
+        applies: always,
+        run: free_ioctl,
+    },
+    Scenario {
+        name: "cq_umem_non_invalidating",
+        applies: always,
+        run: cq_umem,
+    },
+    Scenario {
+        name: "memory_peers_statistics",
+        applies: always,
+        run: memory_peers_stats,
+    },
+    Scenario {
+        name: "process_killed_with_live_mrs",
+        applies: always,
+        run: kill_process,
+    },
+    Scenario {
+        name: "concurrent_threads",
+        applies: always,
+        run: concurrent,
+    },
+    Scenario {
+        name: "rmmod_refused_while_registered",
+        applies: always,
+        run: rmmod_refused,
+    },
+    Scenario {
+        name: "bad_input",
+        applies: always,
+        run: bad_input,
+    },
+    Scenario {
+        name: "provider_failures_injected",
+        applies: always,
+        run: provider_failures,
+    },
+    Scenario {
+        name: "page_table_versions",
+        applies: ours,
+        run: page_table_versions,
+    },
+    Scenario {
+        name: "bar1_exhaustion",
+        applies: always,
+        run: bar1_exhaustion,
+    },
+    Scenario {
+        name: "free_races_pin",
+        applies: invalidating,
+        run: free_races_pin,
+    },
+    Scenario {
+        name: "slow_free_callback",
+        applies: invalidating,
+        run: slow_free_callback,
+    },
+    Scenario {
+        name: "one_sg_entry_for_contiguous_256m",
+        applies: ours_invalidating,
+        run: contiguous_256m,
+    },
 ];
 
 fn pattern(seed: u64, off: u64, n: usize) -> Vec<u8> {
@@ -81,7 +163,11 @@ fn expect_err<T>(r: Result<T, i32>, want: i32, what: &str) -> Result<(), String>
     match r {
         Ok(_) => Err(format!("{what}: succeeded, expected {}", errno_name(want))),
         Err(e) if e == want => Ok(()),
-        Err(e) => Err(format!("{what}: got {}, expected {}", errno_name(e), errno_name(want))),
+        Err(e) => Err(format!(
+            "{what}: got {}, expected {}",
+            errno_name(e),
+            errno_name(want)
+        )),
     }
 }
 
@@ -92,17 +178,39 @@ fn stat(name: &str) -> u64 {
 /// Nothing of any registration is left anywhere.
 pub fn quiescent(ctx: &Ctx) -> Result<(), String> {
     let ci = ctx.core.info();
-    ensure!(ci.live_umems == 0, "{} umems left in the core", ci.live_umems);
+    ensure!(
+        ci.live_umems == 0,
+        "{} umems left in the core",
+        ci.live_umems
+    );
     if let Some(g) = &ctx.gpu {
         let gi = g.info();
-        ensure!(gi.live_tables == 0, "{} page tables left pinned", gi.live_tables);
-        ensure!(gi.live_mappings == 0, "{} DMA mappings left", gi.live_mappings);
-        ensure!(gi.live_allocs == 0, "{} GPU allocations left", gi.live_allocs);
+        ensure!(
+            gi.live_tables == 0,
+            "{} page tables left pinned",
+            gi.live_tables
+        );
+        ensure!(
+            gi.live_mappings == 0,
+            "{} DMA mappings left",
+            gi.live_mappings
+        );
+        ensure!(
+            gi.live_allocs == 0,
+            "{} GPU allocations left",
+            gi.live_allocs
+        );
     }
     if !ctx.opts.reference && module::loaded("nvidia_peermem") {
         let s = module::stats();
-        ensure!(s.get("live_registrations") == Some(&0), "live registrations left: {s:?}");
-        ensure!(s.get("pinned_bytes") == Some(&0), "pinned bytes left: {s:?}");
+        ensure!(
+            s.get("live_registrations") == Some(&0),
+            "live registrations left: {s:?}"
+        );
+        ensure!(
+            s.get("pinned_bytes") == Some(&0),
+            "pinned bytes left: {s:?}"
+        );
     }
     Ok(())
 }
@@ -131,7 +239,13 @@ fn samples(ctx: &mut Ctx, len: u64, n: u64) -> Vec<u64> {
 /// Registers `[a.va + off, + len)`, checks what the core got, moves bytes
 /// both ways through the HCA at sampled offsets, deregisters, checks the
 /// provider saw exactly one pin and one unpin. Returns the query.
-fn reg_verify(ctx: &mut Ctx, a: &Alloc, off: u64, len: u64, flags: u64) -> Result<PmcQuery, String> {
+fn reg_verify(
+    ctx: &mut Ctx,
+    a: &Alloc,
+    off: u64,
+    len: u64,
+    flags: u64,
+) -> Result<PmcQuery, String> {
     let addr = a.va + off;
     let n = 256.min(len);
     let offs = samples(ctx, len, n);
@@ -142,16 +256,34 @@ fn reg_verify(ctx: &mut Ctx, a: &Alloc, off: u64, len: u64, flags: u64) -> Resul
     let inval = flags & PMC_REG_INVAL_SUPP != 0;
     let gi0 = ctx.gpu().info();
     let regs0 = stat("registrations");
-    let h = ctx.core.reg(addr, len, flags).map_err(|e| format!("reg {addr:#x}+{len:#x}: {}", errno_name(e)))?;
+    let h = ctx
+        .core
+        .reg(addr, len, flags)
+        .map_err(|e| format!("reg {addr:#x}+{len:#x}: {}", errno_name(e)))?;
     let q = ctx.core.query(h).map_err(errno_name)?;
     let gi1 = ctx.gpu().info();
-    ensure!(q.source == PMC_SRC_PEER, "not claimed by a peer client (source {})", q.source);
+    ensure!(
+        q.source == PMC_SRC_PEER,
+        "not claimed by a peer client (source {})",
+        q.source
+    );
     ensure!(q.state == PMC_STATE_MAPPED, "state {} after reg", q.state);
-    ensure!(q.client_name() == expected_client(ctx.mode, inval), "claimed by {}", q.client_name());
+    ensure!(
+        q.client_name() == expected_client(ctx.mode, inval),
+        "claimed by {}",
+        q.client_name()
+    );
     ensure!(q.page_size == K64, "get_page_size {}", q.page_size);
     let span = (addr + len).div_ceil(PAGE) * PAGE - addr / PAGE * PAGE;
-    ensure!(q.total_len == span, "SG entries cover {:#x} bytes, expected {span:#x}", q.total_len);
-    let (pins, ppins) = (gi1.pins - gi0.pins, gi1.persistent_pins - gi0.persistent_pins);
+    ensure!(
+        q.total_len == span,
+        "SG entries cover {:#x} bytes, expected {span:#x}",
+        q.total_len
+    );
+    let (pins, ppins) = (
+        gi1.pins - gi0.pins,
+        gi1.persistent_pins - gi0.persistent_pins,
+    );
     let pinned_with_cb = ctx.mode.invalidating() && inval;
     if !ctx.opts.reference {
         ensure!(
@@ -159,47 +291,82 @@ fn reg_verify(ctx: &mut Ctx, a: &Alloc, off: u64, len: u64, flags: u64) -> Resul
             "provider pins for one registration: {pins} with callback, {ppins} persistent"
         );
         ensure!(q.nmap == 1, "{} SG entries for a contiguous range", q.nmap);
-        ensure!(stat("registrations") == regs0 + 1, "registrations counter did not move by one");
+        ensure!(
+            stat("registrations") == regs0 + 1,
+            "registrations counter did not move by one"
+        );
     }
     for &s in &offs {
-        let got = ctx.core.dma_read(h, s, n as usize).map_err(|e| format!("DMA read at {s:#x}: {}", errno_name(e)))?;
-        ensure!(got == pattern(seed, s, n as usize), "DMA read at MR+{s:#x} returned other bytes than the CPU wrote");
+        let got = ctx
+            .core
+            .dma_read(h, s, n as usize)
+            .map_err(|e| format!("DMA read at {s:#x}: {}", errno_name(e)))?;
+        ensure!(
+            got == pattern(seed, s, n as usize),
+            "DMA read at MR+{s:#x} returned other bytes than the CPU wrote"
+        );
     }
     let seed2 = ctx.rand();
     for &s in &offs {
         ctx.core
             .dma_write(h, s, &pattern(seed2, s, n as usize))
             .map_err(|e| format!("DMA write at {s:#x}: {}", errno_name(e)))?;
-        ensure!(a.read(off + s, n as usize) == pattern(seed2, s, n as usize), "CPU sees other bytes than the HCA wrote at MR+{s:#x}");
+        ensure!(
+            a.read(off + s, n as usize) == pattern(seed2, s, n as usize),
+            "CPU sees other bytes than the HCA wrote at MR+{s:#x}"
+        );
     }
-    ctx.core.dereg(h).map_err(|e| format!("dereg: {}", errno_name(e)))?;
+    ctx.core
+        .dereg(h)
+        .map_err(|e| format!("dereg: {}", errno_name(e)))?;
     let gi2 = ctx.gpu().info();
-    ensure!(gi2.unpins == gi1.unpins + 1, "provider unpins after dereg: {}", gi2.unpins - gi1.unpins);
+    ensure!(
+        gi2.unpins == gi1.unpins + 1,
+        "provider unpins after dereg: {}",
+        gi2.unpins - gi1.unpins
+    );
     Ok(q)
 }
 
 fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
-    let v = std::fs::read_to_string("/sys/module/nvidia_peermem/version").map_err(|e| format!("/sys/module/nvidia_peermem/version: {e}"))?;
+    let v = std::fs::read_to_string("/sys/module/nvidia_peermem/version")
+        .map_err(|e| format!("/sys/module/nvidia_peermem/version: {e}"))?;
     let v = v.trim().to_string();
     ensure!(!v.is_empty(), "empty version");
-    ensure!(module::peer_stat("nv_mem", "version").is_some(), "memory_peers/nv_mem/version missing");
+    ensure!(
+        module::peer_stat("nv_mem", "version").is_some(),
+        "memory_peers/nv_mem/version missing"
+    );
     let nc = module::peer_stat("nv_mem_nc", "version").is_some();
-    ensure!(nc == ctx.mode.invalidating(), "memory_peers/nv_mem_nc present: {nc}");
+    ensure!(
+        nc == ctx.mode.invalidating(),
+        "memory_peers/nv_mem_nc present: {nc}"
+    );
     if !ctx.opts.reference {
-        ensure!(module::peer_stat("nv_mem", "version").as_deref() == Some(v.as_str()), "client version differs from module version");
+        ensure!(
+            module::peer_stat("nv_mem", "version").as_deref() == Some(v.as_str()),
+            "client version differs from module version"
+        );
     }
     Ok(format!("version {v}"))
 }
 
 fn register_dma_sizes(ctx: &mut Ctx) -> Result<String, String> {
-    let mut cases = vec![(K64, 0, K64), (2 * M, 0x1234, 2 * M - 0x1234 - 5), (4 * M, 3 * K64 + 100, K64)];
+    let mut cases = vec![
+        (K64, 0, K64),
+        (2 * M, 0x1234, 2 * M - 0x1234 - 5),
+        (4 * M, 3 * K64 + 100, K64),
+    ];
     if !ctx.opts.quick {
         cases.push((64 * M, 0, 64 * M));
         cases.push((256 * M, 3 * PAGE + 17, 256 * M - 3 * PAGE - 117));
     }
     let mut out = Vec::new();
     for (size, off, len) in cases {
-        let a = ctx.gpu().alloc(0, size).map_err(|e| format!("alloc {size}: {}", errno_name(e)))?;
+        let a = ctx
+            .gpu()
+            .alloc(0, size)
+            .map_err(|e| format!("alloc {size}: {}", errno_name(e)))?;
         let q = reg_verify(ctx, &a, off, len, PMC_REG_INVAL_SUPP)?;
         out.push(format!("{}K:{}sge", len >> 10, q.nmap));
         drop(a);
@@ -212,21 +379,36 @@ fn several_mrs(ctx: &mut Ctx) -> Result<String, String> {
     let ranges = [(0, M), (512 << 10, 2 * M + 7), (100, 4 * M - 200)];
     let mut hs = Vec::new();
     for (off, len) in ranges {
-        hs.push(ctx.core.reg(a.va + off, len, PMC_REG_INVAL_SUPP).map_err(|e| format!("reg: {}", errno_name(e)))?);
+        hs.push(
+            ctx.core
+                .reg(a.va + off, len, PMC_REG_INVAL_SUPP)
+                .map_err(|e| format!("reg: {}", errno_name(e)))?,
+        );
     }
     let seed = ctx.rand();
     // Each MR sees what the others wrote: one memory, three registrations.
     for (i, (off, len)) in ranges.iter().enumerate() {
         let at = len / 2;
-        ctx.core.dma_write(hs[i], at, &pattern(seed, *off + at, 64)).map_err(errno_name)?;
+        ctx.core
+            .dma_write(hs[i], at, &pattern(seed, *off + at, 64))
+            .map_err(errno_name)?;
         for (j, (off2, len2)) in ranges.iter().enumerate() {
             let abs = off + at;
             if abs >= *off2 && abs + 64 <= off2 + len2 {
-                let got = ctx.core.dma_read(hs[j], abs - off2, 64).map_err(errno_name)?;
-                ensure!(got == pattern(seed, abs, 64), "MR {j} does not see MR {i}'s write");
+                let got = ctx
+                    .core
+                    .dma_read(hs[j], abs - off2, 64)
+                    .map_err(errno_name)?;
+                ensure!(
+                    got == pattern(seed, abs, 64),
+                    "MR {j} does not see MR {i}'s write"
+                );
             }
         }
-        ensure!(a.read(off + at, 64) == pattern(seed, off + at, 64), "CPU does not see MR {i}'s write");
+        ensure!(
+            a.read(off + at, 64) == pattern(seed, off + at, 64),
+            "CPU does not see MR {i}'s write"
+        );
     }
     for &h in [hs[1], hs[0], hs[2]].iter() {
         ctx.core.dereg(h).map_err(errno_name)?;
@@ -237,23 +419,63 @@ fn several_mrs(ctx: &mut Ctx) -> Result<String, String> {
 fn host_memory(ctx: &mut Ctx) -> Result<String, String> {
     let acq0 = stat("acquired");
     // SAFETY: fresh anonymous mappings owned by this function.
-    let host = unsafe { libc::mmap(std::ptr::null_mut(), M as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    let host = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            M as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
     // SAFETY: as above.
-    let none = unsafe { libc::mmap(std::ptr::null_mut(), M as usize, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
-    ensure!(host != libc::MAP_FAILED && none != libc::MAP_FAILED, "mmap failed");
+    let none = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            M as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    ensure!(
+        host != libc::MAP_FAILED && none != libc::MAP_FAILED,
+        "mmap failed"
+    );
     let r = (|| {
-        let h = ctx.core.reg(host as u64, M, PMC_REG_INVAL_SUPP).map_err(|e| format!("host MR: {}", errno_name(e)))?;
+        let h = ctx
+            .core
+            .reg(host as u64, M, PMC_REG_INVAL_SUPP)
+            .map_err(|e| format!("host MR: {}", errno_name(e)))?;
         let q = ctx.core.query(h).map_err(errno_name)?;
         ctx.core.dereg(h).map_err(errno_name)?;
-        ensure!(q.source == PMC_SRC_HOST, "host memory went to a peer client ({})", q.client_name());
+        ensure!(
+            q.source == PMC_SRC_HOST,
+            "host memory went to a peer client ({})",
+            q.client_name()
+        );
         let declined0 = stat("declined");
-        expect_err(ctx.core.reg(none as u64, M, PMC_REG_INVAL_SUPP), libc::EFAULT, "PROT_NONE range")?;
-        expect_err(ctx.core.reg(0x10000, M, PMC_REG_INVAL_SUPP), libc::EFAULT, "unmapped range")?;
+        expect_err(
+            ctx.core.reg(none as u64, M, PMC_REG_INVAL_SUPP),
+            libc::EFAULT,
+            "PROT_NONE range",
+        )?;
+        expect_err(
+            ctx.core.reg(0x10000, M, PMC_REG_INVAL_SUPP),
+            libc::EFAULT,
+            "unmapped range",
+        )?;
         if !ctx.opts.reference {
             // Each eligible client is asked (nv_mem and nv_mem_nc for an MR).
             let clients = if ctx.mode.invalidating() { 2 } else { 1 };
             let d = stat("declined") - declined0;
-            ensure!(d == 2 * clients, "declined counter moved by {d}, expected {}", 2 * clients);
+            ensure!(
+                d == 2 * clients,
+                "declined counter moved by {d}, expected {}",
+                2 * clients
+            );
         }
         Ok(())
     })();
@@ -264,38 +486,85 @@ fn host_memory(ctx: &mut Ctx) -> Result<String, String> {
     }
     r?;
     if !ctx.opts.reference {
-        ensure!(stat("acquired") == acq0, "the module claimed non-GPU memory");
+        ensure!(
+            stat("acquired") == acq0,
+            "the module claimed non-GPU memory"
+        );
     }
     Ok("host MR pinned by the core; PROT_NONE and unmapped ranges: EFAULT".into())
 }
 
 fn outside_allocation(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
-    expect_err(ctx.core.reg(a.va + M / 2, M, PMC_REG_INVAL_SUPP), libc::EFAULT, "range past the allocation's end")?;
-    expect_err(ctx.core.reg(a.va - K64, 2 * K64, PMC_REG_INVAL_SUPP), libc::EFAULT, "range before the allocation")?;
+    expect_err(
+        ctx.core.reg(a.va + M / 2, M, PMC_REG_INVAL_SUPP),
+        libc::EFAULT,
+        "range past the allocation's end",
+    )?;
+    expect_err(
+        ctx.core.reg(a.va - K64, 2 * K64, PMC_REG_INVAL_SUPP),
+        libc::EFAULT,
+        "range before the allocation",
+    )?;
     let b = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     let (lo, hi) = if a.va < b.va { (&a, &b) } else { (&b, &a) };
     if lo.va + lo.size == hi.va {
-        expect_err(ctx.core.reg(lo.va + M - K64, 2 * K64, PMC_REG_INVAL_SUPP), libc::EFAULT, "range straddling two allocations")?;
+        expect_err(
+            ctx.core.reg(lo.va + M - K64, 2 * K64, PMC_REG_INVAL_SUPP),
+            libc::EFAULT,
+            "range straddling two allocations",
+        )?;
     }
     let gi = ctx.gpu().info();
-    ensure!(gi.live_tables == 0, "a refused range left {} pins", gi.live_tables);
-    Ok(format!("adjacent allocations: {}", lo.va + lo.size == hi.va))
+    ensure!(
+        gi.live_tables == 0,
+        "a refused range left {} pins",
+        gi.live_tables
+    );
+    Ok(format!(
+        "adjacent allocations: {}",
+        lo.va + lo.size == hi.va
+    ))
 }
 
 fn two_gpus(ctx: &mut Ctx) -> Result<String, String> {
-    ensure!(ctx.gpu().info().gpus >= 2, "the testbed has fewer than two GPUs");
+    ensure!(
+        ctx.gpu().info().gpus >= 2,
+        "the testbed has fewer than two GPUs"
+    );
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     let b = ctx.gpu().alloc(1, M).map_err(errno_name)?;
-    let ha = ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
-    let hb = ctx.core.reg(b.va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
-    let (qa, qb) = (ctx.core.query(ha).map_err(errno_name)?, ctx.core.query(hb).map_err(errno_name)?);
-    ensure!(qa.first_dma != qb.first_dma, "both GPUs map to the same bus address");
+    let ha = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    let hb = ctx
+        .core
+        .reg(b.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    let (qa, qb) = (
+        ctx.core.query(ha).map_err(errno_name)?,
+        ctx.core.query(hb).map_err(errno_name)?,
+    );
+    ensure!(
+        qa.first_dma != qb.first_dma,
+        "both GPUs map to the same bus address"
+    );
     let seed = ctx.rand();
-    ctx.core.dma_write(ha, 4096, &pattern(seed, 0, 128)).map_err(errno_name)?;
-    ctx.core.dma_write(hb, 4096, &pattern(seed, 1, 128)).map_err(errno_name)?;
-    ensure!(a.read(4096, 128) == pattern(seed, 0, 128), "GPU 0 bytes wrong");
-    ensure!(b.read(4096, 128) == pattern(seed, 1, 128), "GPU 1 bytes wrong");
+    ctx.core
+        .dma_write(ha, 4096, &pattern(seed, 0, 128))
+        .map_err(errno_name)?;
+    ctx.core
+        .dma_write(hb, 4096, &pattern(seed, 1, 128))
+        .map_err(errno_name)?;
+    ensure!(
+        a.read(4096, 128) == pattern(seed, 0, 128),
+        "GPU 0 bytes wrong"
+    );
+    ensure!(
+        b.read(4096, 128) == pattern(seed, 1, 128),
+        "GPU 1 bytes wrong"
+    );
     ctx.core.dereg(ha).map_err(errno_name)?;
     ctx.core.dereg(hb).map_err(errno_name)?;
     Ok(format!("bus {:#x} and {:#x}", qa.first_dma, qb.first_dma))
@@ -308,26 +577,59 @@ fn free_under_mr(ctx: &mut Ctx, free: fn(&Gpu, &mut Alloc)) -> Result<String, St
     a.write(K64, &pattern(seed, 0, 64));
     let inv0 = stat("invalidations");
     let cb0 = ctx.gpu().info().callbacks;
-    let h = ctx.core.reg(a.va, 2 * M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, 2 * M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
     free(ctx.gpu(), &mut a);
     let q = ctx.core.query(h).map_err(errno_name)?;
     let detail;
     if ctx.mode.invalidating() {
-        let want = if ctx.mode == Mode::Legacy { PMC_STATE_UNMAPPED } else { PMC_STATE_INVALIDATED };
-        ensure!(q.state == want && q.revoked == 1, "after the free: state {} revoked {}", q.state, q.revoked);
-        expect_err(ctx.core.dma_read(h, K64, 64), libc::EACCES, "DMA through the invalidated MR")?;
-        ensure!(ctx.gpu().info().callbacks == cb0 + 1, "free callbacks: {}", ctx.gpu().info().callbacks - cb0);
+        let want = if ctx.mode == Mode::Legacy {
+            PMC_STATE_UNMAPPED
+        } else {
+            PMC_STATE_INVALIDATED
+        };
+        ensure!(
+            q.state == want && q.revoked == 1,
+            "after the free: state {} revoked {}",
+            q.state,
+            q.revoked
+        );
+        expect_err(
+            ctx.core.dma_read(h, K64, 64),
+            libc::EACCES,
+            "DMA through the invalidated MR",
+        )?;
+        ensure!(
+            ctx.gpu().info().callbacks == cb0 + 1,
+            "free callbacks: {}",
+            ctx.gpu().info().callbacks - cb0
+        );
         if !ctx.opts.reference {
             ensure!(stat("invalidations") == inv0 + 1, "invalidations counter");
-            ensure!(stat("core_invalidations") >= 1, "core invalidate never called");
+            ensure!(
+                stat("core_invalidations") >= 1,
+                "core invalidate never called"
+            );
             ensure!(stat("pinned_bytes") == 0, "pinned bytes after the revoke");
         }
         detail = "MR invalidated, DMA refused";
     } else {
-        ensure!(q.state == PMC_STATE_MAPPED && q.revoked == 0, "persistent MR changed: state {}", q.state);
+        ensure!(
+            q.state == PMC_STATE_MAPPED && q.revoked == 0,
+            "persistent MR changed: state {}",
+            q.state
+        );
         let got = ctx.core.dma_read(h, K64, 64).map_err(errno_name)?;
-        ensure!(got == pattern(seed, 0, 64), "persistent MR lost its bytes after the free");
-        ensure!(ctx.gpu().info().live_allocs >= 1, "freed memory already returned while pinned");
+        ensure!(
+            got == pattern(seed, 0, 64),
+            "persistent MR lost its bytes after the free"
+        );
+        ensure!(
+            ctx.gpu().info().live_allocs >= 1,
+            "freed memory already returned while pinned"
+        );
         detail = "memory kept until deregistration";
     }
     ctx.core.dereg(h).map_err(errno_name)?;
@@ -350,21 +652,51 @@ fn cq_umem(ctx: &mut Ctx) -> Result<String, String> {
     let h = ctx.core.reg(a.va, M, 0).map_err(errno_name)?;
     a.unmap();
     let q2 = ctx.core.query(h).map_err(errno_name)?;
-    ensure!(q2.state == PMC_STATE_MAPPED && q2.revoked == 0, "CQ umem changed on free: state {}", q2.state);
-    ctx.core.dma_read(h, 0, 64).map_err(|e| format!("DMA after free: {}", errno_name(e)))?;
+    ensure!(
+        q2.state == PMC_STATE_MAPPED && q2.revoked == 0,
+        "CQ umem changed on free: state {}",
+        q2.state
+    );
+    ctx.core
+        .dma_read(h, 0, 64)
+        .map_err(|e| format!("DMA after free: {}", errno_name(e)))?;
     ctx.core.dereg(h).map_err(errno_name)?;
     Ok(format!("client {}", q.client_name()))
 }
 
 fn memory_peers_stats(ctx: &mut Ctx) -> Result<String, String> {
     let client = "nv_mem";
-    let get = |n: &str| module::peer_stat(client, n).and_then(|s| s.parse::<u64>().ok()).unwrap_or(u64::MAX);
-    let (mrs0, bytes0, dealloc0) = (get("num_alloc_mrs"), get("num_reg_bytes"), get("num_dealloc_mrs"));
+    let get = |n: &str| {
+        module::peer_stat(client, n)
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(u64::MAX)
+    };
+    let (mrs0, bytes0, dealloc0) = (
+        get("num_alloc_mrs"),
+        get("num_reg_bytes"),
+        get("num_dealloc_mrs"),
+    );
     let a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
-    let h1 = ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
-    let h2 = ctx.core.reg(a.va + 100, 3000, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
-    ensure!(get("num_alloc_mrs") == mrs0 + 2, "num_alloc_mrs {} -> {}", mrs0, get("num_alloc_mrs"));
-    ensure!(get("num_reg_bytes") == bytes0 + M + 3000, "num_reg_bytes {} -> {}", bytes0, get("num_reg_bytes"));
+    let h1 = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    let h2 = ctx
+        .core
+        .reg(a.va + 100, 3000, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    ensure!(
+        get("num_alloc_mrs") == mrs0 + 2,
+        "num_alloc_mrs {} -> {}",
+        mrs0,
+        get("num_alloc_mrs")
+    );
+    ensure!(
+        get("num_reg_bytes") == bytes0 + M + 3000,
+        "num_reg_bytes {} -> {}",
+        bytes0,
+        get("num_reg_bytes")
+    );
     ctx.core.dereg(h1).map_err(errno_name)?;
     ctx.core.dereg(h2).map_err(errno_name)?;
     ensure!(get("num_dealloc_mrs") == dealloc0 + 2, "num_dealloc_mrs");
@@ -411,7 +743,10 @@ fn kill_process(ctx: &mut Ctx) -> Result<String, String> {
         libc::close(fds[1]);
         ensure!(byte[0] == 1, "the child could not register");
         if !ctx.opts.reference {
-            ensure!(live == 3, "{live} live registrations in the child, expected 3");
+            ensure!(
+                live == 3,
+                "{live} live registrations in the child, expected 3"
+            );
         }
     }
     Ok("3 MRs on 2 GPUs released at exit".into())
@@ -435,12 +770,17 @@ fn concurrent(ctx: &mut Ctx) -> Result<String, String> {
                         x ^= x >> 7;
                         x ^= x << 17;
                         let size = K64 * (1 + x % 16);
-                        let mut a = g.alloc((t % 2) as u64, size).map_err(|e| format!("alloc: {e}"))?;
+                        let mut a = g
+                            .alloc((t % 2) as u64, size)
+                            .map_err(|e| format!("alloc: {e}"))?;
                         let inval = x & 1 == 0;
                         let flags = if inval { PMC_REG_INVAL_SUPP } else { 0 };
-                        let h = c.reg(a.va + (x % 4096), size - 4096, flags).map_err(|e| format!("reg: {e}"))?;
+                        let h = c
+                            .reg(a.va + (x % 4096), size - 4096, flags)
+                            .map_err(|e| format!("reg: {e}"))?;
                         if i % 4 == 0 {
-                            c.dma_write(h, 8, &[t as u8; 8]).map_err(|e| format!("dma: {e}"))?;
+                            c.dma_write(h, 8, &[t as u8; 8])
+                                .map_err(|e| format!("dma: {e}"))?;
                             if a.read((x % 4096) + 8, 8) != [t as u8; 8] {
                                 return Err("DMA bytes lost".into());
                             }
@@ -466,33 +806,57 @@ fn concurrent(ctx: &mut Ctx) -> Result<String, String> {
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+            .collect()
     });
     let mut inv = 0;
     for r in results {
         inv += r?;
     }
-    Ok(format!("{} registrations, {inv} invalidated by frees", threads * iters))
+    Ok(format!(
+        "{} registrations, {inv} invalidated by frees",
+        threads * iters
+    ))
 }
 
 fn rmmod_refused(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
-    let h = ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
     let refused = !module::rmmod("nvidia_peermem")?;
     ensure!(refused, "rmmod succeeded with a live registration");
-    ensure!(ctx.core.query(h).map_err(errno_name)?.state == PMC_STATE_MAPPED, "MR disturbed by rmmod");
+    ensure!(
+        ctx.core.query(h).map_err(errno_name)?.state == PMC_STATE_MAPPED,
+        "MR disturbed by rmmod"
+    );
     ctx.core.dereg(h).map_err(errno_name)?;
-    ensure!(module::rmmod("nvidia_peermem")?, "rmmod refused after deregistration");
+    ensure!(
+        module::rmmod("nvidia_peermem")?,
+        "rmmod refused after deregistration"
+    );
     ctx.load()?;
     Ok("refused while live, accepted after".into())
 }
 
 fn bad_input(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
-    expect_err(ctx.core.reg(a.va, 0, PMC_REG_INVAL_SUPP), libc::EINVAL, "zero length")?;
-    expect_err(ctx.core.reg(u64::MAX - 4096, 8192, PMC_REG_INVAL_SUPP), libc::EINVAL, "overflowing range")?;
+    expect_err(
+        ctx.core.reg(a.va, 0, PMC_REG_INVAL_SUPP),
+        libc::EINVAL,
+        "zero length",
+    )?;
+    expect_err(
+        ctx.core.reg(u64::MAX - 4096, 8192, PMC_REG_INVAL_SUPP),
+        libc::EINVAL,
+        "overflowing range",
+    )?;
     let np0 = stat("fail_not_pci");
-    let r = ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP | PMC_REG_NON_PCI_DEV);
+    let r = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP | PMC_REG_NON_PCI_DEV);
     if ctx.opts.reference {
         if let Ok(h) = r {
             ctx.core.dereg(h).map_err(errno_name)?;
@@ -509,7 +873,11 @@ fn bad_input(ctx: &mut Ctx) -> Result<String, String> {
 
 fn provider_failures(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
-    let pin_fn = if ctx.mode.invalidating() { "get_pages" } else { "get_pages_persistent" };
+    let pin_fn = if ctx.mode.invalidating() {
+        "get_pages"
+    } else {
+        "get_pages_persistent"
+    };
     let mut seen = Vec::new();
     // (function, injected errno, what user space must see from our module)
     let cases: [(&str, i32, i32); 4] = [
@@ -528,19 +896,29 @@ fn provider_failures(ctx: &mut Ctx) -> Result<String, String> {
             let h = r.map_err(|e| format!("fallback to nv_mem_nc: {}", errno_name(e)))?;
             let q = ctx.core.query(h).map_err(errno_name)?;
             ctx.core.dereg(h).map_err(errno_name)?;
-            ensure!(q.client_name() == "nv_mem_nc", "fallback went to {}", q.client_name());
+            ensure!(
+                q.client_name() == "nv_mem_nc",
+                "fallback went to {}",
+                q.client_name()
+            );
             seen.push(format!("{func}:-{inj}->nv_mem_nc"));
             continue;
         }
         match r {
             Ok(h) => {
                 ctx.core.dereg(h).map_err(errno_name)?;
-                return Err(format!("{func} failing with -{inj}: registration succeeded"));
+                return Err(format!(
+                    "{func} failing with -{inj}: registration succeeded"
+                ));
             }
             Err(e) => {
                 seen.push(format!("{func}:-{inj}->{e}"));
                 if !ctx.opts.reference && e != want {
-                    return Err(format!("{func} failing with -{inj}: user got {}, expected {}", errno_name(e), errno_name(want)));
+                    return Err(format!(
+                        "{func} failing with -{inj}: user got {}, expected {}",
+                        errno_name(e),
+                        errno_name(want)
+                    ));
                 }
                 if e == 524 {
                     return Err(format!("{func}: ENOTSUPP (524) leaked to user space"));
@@ -548,7 +926,10 @@ fn provider_failures(ctx: &mut Ctx) -> Result<String, String> {
             }
         }
         let gi = ctx.gpu().info();
-        ensure!(gi.live_tables == 0 && gi.live_mappings == 0, "{func} failure leaked pins/mappings");
+        ensure!(
+            gi.live_tables == 0 && gi.live_mappings == 0,
+            "{func} failure leaked pins/mappings"
+        );
     }
     reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
     Ok(seen.join(" "))
@@ -574,7 +955,10 @@ fn page_table_versions(ctx: &mut Ctx) -> Result<String, String> {
             Some(e) => {
                 expect_err(ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP), e, arg)?;
                 let gi = ctx.gpu().info();
-                ensure!(gi.live_tables == 0 && gi.live_mappings == 0, "{arg}: refusal leaked");
+                ensure!(
+                    gi.live_tables == 0 && gi.live_mappings == 0,
+                    "{arg}: refusal leaked"
+                );
                 out.push(format!("{arg}: refused"));
             }
         }
@@ -586,7 +970,10 @@ fn page_table_versions(ctx: &mut Ctx) -> Result<String, String> {
 fn bar1_exhaustion(ctx: &mut Ctx) -> Result<String, String> {
     ctx.reload_provider(&["bar1_size_mb=2"])?;
     let a = ctx.gpu().alloc(0, 4 * M).map_err(errno_name)?;
-    let h = ctx.core.reg(a.va, M + K64, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, M + K64, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
     let r = ctx.core.reg(a.va + 2 * M, 2 * M, PMC_REG_INVAL_SUPP);
     ctx.core.dereg(h).map_err(errno_name)?;
     let got = match r {
@@ -597,7 +984,11 @@ fn bar1_exhaustion(ctx: &mut Ctx) -> Result<String, String> {
         Err(e) => e,
     };
     if !ctx.opts.reference {
-        ensure!(got == libc::ENOMEM, "BAR1 exhausted: user got {}, expected ENOMEM", errno_name(got));
+        ensure!(
+            got == libc::ENOMEM,
+            "BAR1 exhausted: user got {}, expected ENOMEM",
+            errno_name(got)
+        );
     }
     drop(a);
     ctx.reload_provider(&[])?;
@@ -612,7 +1003,11 @@ fn free_races_pin(ctx: &mut Ctx) -> Result<String, String> {
         module::debugfs_write("/sys/kernel/debug/nv_p2p_emu/race_free_on_pin", "1")?;
         match ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP) {
             Err(e) => {
-                ensure!(e == libc::EFAULT || e == libc::EINVAL, "racing free: {}", errno_name(e));
+                ensure!(
+                    e == libc::EFAULT || e == libc::EINVAL,
+                    "racing free: {}",
+                    errno_name(e)
+                );
                 failed_reg += 1;
             }
             Ok(h) => {
@@ -622,10 +1017,17 @@ fn free_races_pin(ctx: &mut Ctx) -> Result<String, String> {
                     if q.revoked == 1 {
                         break;
                     }
-                    ensure!(t.elapsed() < Duration::from_secs(5), "free never invalidated the MR");
+                    ensure!(
+                        t.elapsed() < Duration::from_secs(5),
+                        "free never invalidated the MR"
+                    );
                     std::thread::sleep(Duration::from_millis(10));
                 }
-                expect_err(ctx.core.dma_read(h, 0, 16), libc::EACCES, "DMA after racing free")?;
+                expect_err(
+                    ctx.core.dma_read(h, 0, 16),
+                    libc::EACCES,
+                    "DMA after racing free",
+                )?;
                 ctx.core.dereg(h).map_err(errno_name)?;
                 invalidated += 1;
             }
@@ -633,7 +1035,9 @@ fn free_races_pin(ctx: &mut Ctx) -> Result<String, String> {
         a.unmap();
     }
     module::debugfs_write("/sys/kernel/debug/nv_p2p_emu/race_free_on_pin", "0")?;
-    Ok(format!("{failed_reg} registrations lost the race, {invalidated} invalidated right after"))
+    Ok(format!(
+        "{failed_reg} registrations lost the race, {invalidated} invalidated right after"
+    ))
 }
 
 fn slow_free_callback(ctx: &mut Ctx) -> Result<String, String> {
@@ -645,10 +1049,22 @@ fn slow_free_callback(ctx: &mut Ctx) -> Result<String, String> {
 
 fn contiguous_256m(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, 256 * M).map_err(errno_name)?;
-    let h = ctx.core.reg(a.va, 256 * M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, 256 * M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
     let q = ctx.core.query(h).map_err(errno_name)?;
     ctx.core.dereg(h).map_err(errno_name)?;
     ensure!(q.nmap == 1, "{} SG entries for 256 MiB contiguous", q.nmap);
-    ensure!(q.first_len == 256 * M, "first entry {:#x} bytes", q.first_len);
-    Ok(format!("{} entry of {} MiB (C module: {} entries)", q.nmap, q.first_len >> 20, 256 * M / K64))
+    ensure!(
+        q.first_len == 256 * M,
+        "first entry {:#x} bytes",
+        q.first_len
+    );
+    Ok(format!(
+        "{} entry of {} MiB (C module: {} entries)",
+        q.nmap,
+        q.first_len >> 20,
+        256 * M / K64
+    ))
 }

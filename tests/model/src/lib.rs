@@ -75,9 +75,16 @@ mod tests {
         for steps in 0..4 {
             let mut l = Lifecycle::new(true);
             let mut phase_ok = true;
-            if steps >= 1 { l.start_pin().unwrap(); }
-            if steps >= 2 { phase_ok &= l.pin_succeeded() == Outcome::Done; }
-            if steps >= 3 { l.start_map().unwrap(); phase_ok &= l.map_succeeded() == Outcome::Done; }
+            if steps >= 1 {
+                l.start_pin().unwrap();
+            }
+            if steps >= 2 {
+                phase_ok &= l.pin_succeeded() == Outcome::Done;
+            }
+            if steps >= 3 {
+                l.start_map().unwrap();
+                phase_ok &= l.map_succeeded() == Outcome::Done;
+            }
             assert!(phase_ok);
             l.invalidate();
             assert_eq!(l.put_pages().unpin_provider, false);
