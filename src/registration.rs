@@ -483,6 +483,9 @@ impl Registration {
         );
         if action == Invalidate::NotifyCore {
             if let (Some(ctx), Some(link)) = (ctx, self.link) {
+                // The core's invalidate takes mutexes: the GPU driver must
+                // call us from sleepable context (lockdep checks it).
+                kernel::task::might_sleep();
                 STATS.core_invalidations.add(1, Relaxed);
                 link.invalidate(ctx);
             }

@@ -655,7 +655,11 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 static unsigned long emu_get_unmapped_area(struct file *file, unsigned long addr,
 					   unsigned long len, unsigned long pgoff, unsigned long flags)
 {
-	unsigned long a = mm_get_unmapped_area(file, 0, len + GPU_PAGE, 0, flags);
+	unsigned long a;
+
+	if (flags & MAP_FIXED)
+		return IS_ALIGNED(addr, GPU_PAGE) ? addr : -EINVAL;
+	a = mm_get_unmapped_area(file, 0, len + GPU_PAGE, 0, flags);
 
 	if (IS_ERR_VALUE(a))
 		return a;

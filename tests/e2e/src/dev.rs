@@ -53,19 +53,22 @@ impl Gpu {
 
     /// cudaMalloc on `gpu`.
     pub fn alloc(&self, gpu: u64, size: u64) -> Result<Alloc, Errno> {
-        let mut a = NvemuAlloc {
-            gpu,
-            size,
-            offset: 0,
-        };
+        self.alloc_at(gpu, size, None)
+    }
+
+    /// cudaMalloc on `gpu`, placed at `at` (64 KiB-aligned, must be free).
+    pub fn alloc_at(&self, gpu: u64, size: u64, at: Option<u64>) -> Result<Alloc, Errno> {
+        let mut a = NvemuAlloc { gpu, size, offset: 0 };
         ioctl(&self.f, NVEMU_IOC_ALLOC, &mut a)?;
-        // SAFETY: a fresh shared mapping of the device at the offset it gave.
+        let fixed = if at.is_some() { libc::MAP_FIXED_NOREPLACE } else { 0 };
+        // SAFETY: a fresh shared mapping of the device at the offset it gave;
+        // MAP_FIXED_NOREPLACE never replaces an existing mapping.
         let p = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                at.unwrap_or(0) as *mut libc::c_void,
                 a.size as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | fixed,
                 self.f.as_raw_fd(),
                 a.offset as libc::off_t,
             )

@@ -105,6 +105,11 @@ pub const ALL: &[Scenario] = &[
         run: concurrent,
     },
     Scenario {
+        name: "free_races_deregistration",
+        applies: always,
+        run: free_races_dereg,
+    },
+    Scenario {
         name: "rmmod_refused_while_registered",
         applies: always,
         run: rmmod_refused,
@@ -140,9 +145,9 @@ pub const ALL: &[Scenario] = &[
         run: slow_free_callback,
     },
     Scenario {
-        name: "one_sg_entry_for_contiguous_256m",
+        name: "one_sg_entry_for_contiguous_1g",
         applies: ours_invalidating,
-        run: contiguous_256m,
+        run: contiguous_1g,
     },
 ];
 
@@ -506,25 +511,27 @@ fn outside_allocation(ctx: &mut Ctx) -> Result<String, String> {
         libc::EFAULT,
         "range before the allocation",
     )?;
-    let b = ctx.gpu().alloc(0, M).map_err(errno_name)?;
-    let (lo, hi) = if a.va < b.va { (&a, &b) } else { (&b, &a) };
-    if lo.va + lo.size == hi.va {
-        expect_err(
-            ctx.core.reg(lo.va + M - K64, 2 * K64, PMC_REG_INVAL_SUPP),
-            libc::EFAULT,
-            "range straddling two allocations",
-        )?;
-    }
+    // Two allocations back to back in the address space: a range across the
+    // boundary touches GPU memory only, yet belongs to no single allocation.
+    let lo = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let at = lo.va + lo.size;
+    let hi = ctx
+        .gpu()
+        .alloc_at(0, M, Some(at))
+        .map_err(|e| format!("alloc at {at:#x}: {}", errno_name(e)))?;
+    ensure!(hi.va == lo.va + lo.size, "allocations not adjacent");
+    expect_err(
+        ctx.core.reg(lo.va + M - K64, 2 * K64, PMC_REG_INVAL_SUPP),
+        libc::EFAULT,
+        "range straddling two allocations",
+    )?;
     let gi = ctx.gpu().info();
-    ensure!(
-        gi.live_tables == 0,
-        "a refused range left {} pins",
-        gi.live_tables
-    );
-    Ok(format!(
-        "adjacent allocations: {}",
-        lo.va + lo.size == hi.va
-    ))
+    ensure!(gi.live_tables == 0, "a refused range left {} pins", gi.live_tables);
+    // Each on its own is fine.
+    reg_verify(ctx, &lo, M - K64, K64, PMC_REG_INVAL_SUPP)?;
+    reg_verify(ctx, &hi, 0, K64, PMC_REG_INVAL_SUPP)?;
+    drop(a);
+    Ok("past the end, before the start, and across two adjacent allocations: EFAULT".into())
 }
 
 fn two_gpus(ctx: &mut Ctx) -> Result<String, String> {
@@ -820,6 +827,37 @@ fn concurrent(ctx: &mut Ctx) -> Result<String, String> {
     ))
 }
 
+/// cudaFree and ibv_dereg_mr at the same moment, from two threads: the free
+/// callback races the core's unmap/unpin/release (the anchors' "invalid
+/// context" and put_pages-vs-callback bugs).
+fn free_races_dereg(ctx: &mut Ctx) -> Result<String, String> {
+    let rounds = if ctx.opts.quick { 4 } else { 16 };
+    let cb0 = ctx.gpu().info().callbacks;
+    for i in 0..rounds {
+        let mut a = ctx.gpu().alloc(0, 4 * M).map_err(errno_name)?;
+        let flags = if i % 4 == 3 { 0 } else { PMC_REG_INVAL_SUPP };
+        let h = ctx.core.reg(a.va + 4096, 3 * M, flags).map_err(errno_name)?;
+        let barrier = std::sync::Barrier::new(2);
+        let core = &ctx.core;
+        let r = std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                barrier.wait();
+                a.unmap();
+            });
+            barrier.wait();
+            for _ in 0..(i % 3) {
+                std::hint::spin_loop();
+            }
+            let r = core.dereg(h);
+            t.join().map_err(|_| "free thread panicked".to_string())?;
+            r.map_err(errno_name)
+        });
+        r?;
+    }
+    let cbs = ctx.gpu().info().callbacks - cb0;
+    Ok(format!("{rounds} rounds, {cbs} free callbacks raced a deregistration"))
+}
+
 fn rmmod_refused(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     let h = ctx
@@ -1047,24 +1085,18 @@ fn slow_free_callback(ctx: &mut Ctx) -> Result<String, String> {
     r
 }
 
-fn contiguous_256m(ctx: &mut Ctx) -> Result<String, String> {
-    let a = ctx.gpu().alloc(0, 256 * M).map_err(errno_name)?;
-    let h = ctx
-        .core
-        .reg(a.va, 256 * M, PMC_REG_INVAL_SUPP)
-        .map_err(errno_name)?;
+fn contiguous_1g(ctx: &mut Ctx) -> Result<String, String> {
+    const G: u64 = 1 << 30;
+    let a = ctx.gpu().alloc(0, G).map_err(|e| format!("alloc 1 GiB: {}", errno_name(e)))?;
+    let t = Instant::now();
+    let h = ctx.core.reg(a.va, G, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let reg_ms = t.elapsed().as_millis();
     let q = ctx.core.query(h).map_err(errno_name)?;
+    let seed = ctx.rand();
+    ctx.core.dma_write(h, G - 64, &pattern(seed, 0, 64)).map_err(errno_name)?;
+    ensure!(a.read(G - 64, 64) == pattern(seed, 0, 64), "last bytes of the 1 GiB MR wrong");
     ctx.core.dereg(h).map_err(errno_name)?;
-    ensure!(q.nmap == 1, "{} SG entries for 256 MiB contiguous", q.nmap);
-    ensure!(
-        q.first_len == 256 * M,
-        "first entry {:#x} bytes",
-        q.first_len
-    );
-    Ok(format!(
-        "{} entry of {} MiB (C module: {} entries)",
-        q.nmap,
-        q.first_len >> 20,
-        256 * M / K64
-    ))
+    ensure!(q.nmap == 1, "{} SG entries for 1 GiB contiguous", q.nmap);
+    ensure!(q.first_len == G, "first entry {:#x} bytes", q.first_len);
+    Ok(format!("1 GiB: {} SG entry (C module: {}); registration {reg_ms} ms", q.nmap, G / K64))
 }

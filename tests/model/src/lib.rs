@@ -13,6 +13,9 @@ pub mod lifecycle;
 pub mod range;
 
 #[cfg(test)]
+mod loom_model;
+
+#[cfg(test)]
 mod tests {
     use super::{coalesce::*, lifecycle::*, range::*};
     use proptest::prelude::*;
