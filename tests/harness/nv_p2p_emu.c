@@ -27,6 +27,7 @@
 #include <linux/delay.h>
 #include <linux/dma-mapping.h>
 #include <linux/miscdevice.h>
+#include <linux/mman.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/mutex.h>

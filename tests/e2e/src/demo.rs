@@ -27,12 +27,17 @@ pub fn run() -> bool {
 }
 
 fn steps() -> Result<(), String> {
-    let ver = std::fs::read_to_string("/sys/module/nvidia_peermem/version").map_err(|e| e.to_string())?;
+    let ver =
+        std::fs::read_to_string("/sys/module/nvidia_peermem/version").map_err(|e| e.to_string())?;
     say(&format!("nvidia_peermem {} is loaded; /sys/module/nvidia_peermem/version exists (NCCL, UCX look for it)", ver.trim()));
     let gpu = Gpu::open()?;
     let core = Core::open()?;
     let info = gpu.info();
-    say(&format!("{} emulated GPU(s), BAR1 {} MiB on GPU 0; the HCA is QEMU's edu DMA engine", info.gpus, info.bar_size[0] >> 20));
+    say(&format!(
+        "{} emulated GPU(s), BAR1 {} MiB on GPU 0; the HCA is QEMU's edu DMA engine",
+        info.gpus,
+        info.bar_size[0] >> 20
+    ));
 
     say("");
     say("1. cudaMalloc(4 MiB) on GPU 0, and the CPU writes a greeting into it");
@@ -43,7 +48,9 @@ fn steps() -> Result<(), String> {
 
     say("2. ibv_reg_mr(buffer + 0x1000, 1 MiB): the core asks the peer clients; nv_mem claims it");
     let g0 = gpu.info();
-    let h = core.reg(a.va + 0x1000, 1 << 20, PMC_REG_INVAL_SUPP).map_err(errno)?;
+    let h = core
+        .reg(a.va + 0x1000, 1 << 20, PMC_REG_INVAL_SUPP)
+        .map_err(errno)?;
     let q = core.query(h).map_err(errno)?;
     let g1 = gpu.info();
     say(&format!(
@@ -57,14 +64,20 @@ fn steps() -> Result<(), String> {
 
     say("3. the HCA reads the MR by DMA, then writes into it");
     let got = core.dma_read(h, 0, hello.len()).map_err(errno)?;
-    say(&format!("   HCA read:  {:?}", String::from_utf8_lossy(&got)));
+    say(&format!(
+        "   HCA read:  {:?}",
+        String::from_utf8_lossy(&got)
+    ));
     if got != hello {
         return Err("the HCA read other bytes than the CPU wrote".into());
     }
     let reply = b"hello from the HCA";
     core.dma_write(h, 0x100, reply).map_err(errno)?;
     let seen = a.read(0x1100, reply.len());
-    say(&format!("   CPU reads GPU memory: {:?}", String::from_utf8_lossy(&seen)));
+    say(&format!(
+        "   CPU reads GPU memory: {:?}",
+        String::from_utf8_lossy(&seen)
+    ));
     if seen != reply {
         return Err("GPU memory does not hold what the HCA wrote".into());
     }
@@ -73,9 +86,20 @@ fn steps() -> Result<(), String> {
     say("   which revokes the MR through the core before the memory goes away");
     a.unmap();
     let q = core.query(h).map_err(errno)?;
-    say(&format!("   MR state: {} (revoked: {})", if q.state == PMC_STATE_INVALIDATED { "invalidated" } else { "still mapped" }, q.revoked == 1));
+    say(&format!(
+        "   MR state: {} (revoked: {})",
+        if q.state == PMC_STATE_INVALIDATED {
+            "invalidated"
+        } else {
+            "still mapped"
+        },
+        q.revoked == 1
+    ));
     match core.dma_read(h, 0, 16) {
-        Err(e) => say(&format!("   HCA DMA through the MR is refused: {}", errno(e))),
+        Err(e) => say(&format!(
+            "   HCA DMA through the MR is refused: {}",
+            errno(e)
+        )),
         Ok(_) => return Err("DMA through a revoked MR succeeded".into()),
     }
 

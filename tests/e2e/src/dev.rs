@@ -58,9 +58,17 @@ impl Gpu {
 
     /// cudaMalloc on `gpu`, placed at `at` (64 KiB-aligned, must be free).
     pub fn alloc_at(&self, gpu: u64, size: u64, at: Option<u64>) -> Result<Alloc, Errno> {
-        let mut a = NvemuAlloc { gpu, size, offset: 0 };
+        let mut a = NvemuAlloc {
+            gpu,
+            size,
+            offset: 0,
+        };
         ioctl(&self.f, NVEMU_IOC_ALLOC, &mut a)?;
-        let fixed = if at.is_some() { libc::MAP_FIXED_NOREPLACE } else { 0 };
+        let fixed = if at.is_some() {
+            libc::MAP_FIXED_NOREPLACE
+        } else {
+            0
+        };
         // SAFETY: a fresh shared mapping of the device at the offset it gave;
         // MAP_FIXED_NOREPLACE never replaces an existing mapping.
         let p = unsafe {

@@ -12,6 +12,7 @@ mod demo;
 mod dev;
 mod module;
 mod scenarios;
+mod stress;
 mod uapi;
 
 use std::time::Instant;
@@ -59,6 +60,8 @@ pub struct Opts {
     pub reference: bool,
     pub quick: bool,
     pub filter: Option<String>,
+    /// Operations of the stress run per mode (0: none).
+    pub stress_ops: u64,
 }
 
 /// What a scenario works with.
@@ -117,8 +120,10 @@ impl Ctx {
 }
 
 fn main() {
-    if std::env::args().nth(1).as_deref() == Some("demo") {
-        std::process::exit(if demo::run() { 0 } else { 1 });
+    match std::env::args().nth(1).as_deref() {
+        Some("demo") => std::process::exit(if demo::run() { 0 } else { 1 }),
+        Some("child-hold") => stress::child_hold(),
+        _ => {}
     }
     let mut args = std::env::args().skip(1);
     let mut modes = vec![Mode::Persistent, Mode::Invalidating, Mode::Legacy];
@@ -128,6 +133,7 @@ fn main() {
         reference: false,
         quick: false,
         filter: None,
+        stress_ops: 0,
     };
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     while let Some(a) = args.next() {
@@ -150,6 +156,7 @@ fn main() {
             "--reference" => opts.reference = true,
             "--quick" => opts.quick = true,
             "--filter" => opts.filter = args.next(),
+            "--stress" => opts.stress_ops = args.next().and_then(|s| s.parse().ok()).unwrap_or(0),
             "--seed" => seed = args.next().and_then(|s| s.parse().ok()).unwrap_or(seed),
             _ => panic!("unknown argument {a}"),
         }
@@ -206,6 +213,12 @@ fn main() {
                         Ok(c) => ctx.core = c,
                         Err(e) => println!("E2E FAIL {}/reopen: {e}", mode.name()),
                     }
+                    // Allocations never mapped go with the GPU driver's file.
+                    ctx.gpu = None;
+                    match Gpu::open() {
+                        Ok(g) => ctx.gpu = Some(g),
+                        Err(e) => println!("E2E FAIL {}/reopen: {e}", mode.name()),
+                    }
                 }
             }
             if !module::loaded("nvidia_peermem") {
@@ -218,6 +231,23 @@ fn main() {
                 if let Err(e) = ctx.reload_provider(&[]) {
                     println!("E2E FAIL {}/provider-reload: {e}", mode.name());
                     failed += 1;
+                }
+            }
+        }
+        if ctx.opts.stress_ops > 0 && ctx.opts.filter.is_none() {
+            let r = stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed)
+                .and_then(|d| scenarios::quiescent(&ctx).map(|_| d));
+            match r {
+                Ok(d) => {
+                    passed += 1;
+                    println!("E2E ok {}/stress {d}", mode.name());
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("E2E FAIL {}/stress: {e}", mode.name());
+                    if let Ok(c) = Core::open() {
+                        ctx.core = c;
+                    }
                 }
             }
         }

@@ -39,6 +39,9 @@ fn ours(c: &Ctx) -> bool {
 fn invalidating(c: &Ctx) -> bool {
     c.mode.invalidating()
 }
+fn failslab(c: &Ctx) -> bool {
+    ours(c) && std::path::Path::new("/sys/kernel/debug/failslab").exists()
+}
 fn ours_invalidating(c: &Ctx) -> bool {
     ours(c) && c.mode == Mode::Invalidating
 }
@@ -108,6 +111,11 @@ pub const ALL: &[Scenario] = &[
         name: "free_races_deregistration",
         applies: always,
         run: free_races_dereg,
+    },
+    Scenario {
+        name: "allocation_failure_sweep",
+        applies: failslab,
+        run: allocation_failure_sweep,
     },
     Scenario {
         name: "rmmod_refused_while_registered",
@@ -499,6 +507,25 @@ fn host_memory(ctx: &mut Ctx) -> Result<String, String> {
     Ok("host MR pinned by the core; PROT_NONE and unmapped ranges: EFAULT".into())
 }
 
+/// A free, 64 KiB-aligned stretch of address space of `len` bytes.
+fn free_va(len: u64) -> Result<u64, String> {
+    // SAFETY: a reservation we unmap right away; only its address is kept.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            (len + K64) as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    ensure!(p != libc::MAP_FAILED, "cannot reserve address space");
+    // SAFETY: unmapping the reservation above.
+    unsafe { libc::munmap(p, (len + K64) as usize) };
+    Ok((p as u64).div_ceil(K64) * K64)
+}
+
 fn outside_allocation(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     expect_err(
@@ -513,7 +540,11 @@ fn outside_allocation(ctx: &mut Ctx) -> Result<String, String> {
     )?;
     // Two allocations back to back in the address space: a range across the
     // boundary touches GPU memory only, yet belongs to no single allocation.
-    let lo = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let base = free_va(2 * M)?;
+    let lo = ctx
+        .gpu()
+        .alloc_at(0, M, Some(base))
+        .map_err(|e| format!("alloc at {base:#x}: {}", errno_name(e)))?;
     let at = lo.va + lo.size;
     let hi = ctx
         .gpu()
@@ -526,7 +557,11 @@ fn outside_allocation(ctx: &mut Ctx) -> Result<String, String> {
         "range straddling two allocations",
     )?;
     let gi = ctx.gpu().info();
-    ensure!(gi.live_tables == 0, "a refused range left {} pins", gi.live_tables);
+    ensure!(
+        gi.live_tables == 0,
+        "a refused range left {} pins",
+        gi.live_tables
+    );
     // Each on its own is fine.
     reg_verify(ctx, &lo, M - K64, K64, PMC_REG_INVAL_SUPP)?;
     reg_verify(ctx, &hi, 0, K64, PMC_REG_INVAL_SUPP)?;
@@ -836,7 +871,10 @@ fn free_races_dereg(ctx: &mut Ctx) -> Result<String, String> {
     for i in 0..rounds {
         let mut a = ctx.gpu().alloc(0, 4 * M).map_err(errno_name)?;
         let flags = if i % 4 == 3 { 0 } else { PMC_REG_INVAL_SUPP };
-        let h = ctx.core.reg(a.va + 4096, 3 * M, flags).map_err(errno_name)?;
+        let h = ctx
+            .core
+            .reg(a.va + 4096, 3 * M, flags)
+            .map_err(errno_name)?;
         let barrier = std::sync::Barrier::new(2);
         let core = &ctx.core;
         let r = std::thread::scope(|s| {
@@ -855,7 +893,107 @@ fn free_races_dereg(ctx: &mut Ctx) -> Result<String, String> {
         r?;
     }
     let cbs = ctx.gpu().info().callbacks - cb0;
-    Ok(format!("{rounds} rounds, {cbs} free callbacks raced a deregistration"))
+    Ok(format!(
+        "{rounds} rounds, {cbs} free callbacks raced a deregistration"
+    ))
+}
+
+/// The text range of a loaded module, from /proc/kallsyms.
+fn module_text(name: &str) -> Result<(u64, u64), String> {
+    let ks = std::fs::read_to_string("/proc/kallsyms").map_err(|e| e.to_string())?;
+    let tag = format!("[{name}]");
+    let addrs: Vec<u64> = ks
+        .lines()
+        .filter(|l| l.ends_with(&tag))
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let a = u64::from_str_radix(it.next()?, 16).ok()?;
+            matches!(it.next()?, "t" | "T").then_some(a)
+        })
+        .collect();
+    let (lo, hi) = (addrs.iter().min(), addrs.iter().max());
+    match (lo, hi) {
+        (Some(&lo), Some(&hi)) if lo != 0 => Ok((lo, hi + 4096)),
+        _ => Err(format!("no text symbols of {name} in /proc/kallsyms")),
+    }
+}
+
+/// Fails, one registration at a time, the 1st, 2nd, ... memory allocation
+/// made with this module on the stack (failslab and fail_page_alloc with a
+/// call-site filter on our text, /proc/thread-self/fail-nth), until a
+/// registration gets through: every failure must reach user space as a clean
+/// errno and leave nothing behind.
+fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
+    let (lo, hi) = module_text("nvidia_peermem")?;
+    for dir in [
+        "/sys/kernel/debug/failslab",
+        "/sys/kernel/debug/fail_page_alloc",
+    ] {
+        module::debugfs_write(&format!("{dir}/ignore-gfp-wait"), "N")?;
+        module::debugfs_write(&format!("{dir}/require-start"), &lo.to_string())?;
+        module::debugfs_write(&format!("{dir}/require-end"), &hi.to_string())?;
+        module::debugfs_write(&format!("{dir}/verbose"), "0")?;
+    }
+    let a = ctx.gpu().alloc(0, 8 * M).map_err(errno_name)?;
+    let mut errnos = std::collections::BTreeMap::new();
+    let mut sites = 0;
+    let mut ok = false;
+    for n in 1..200 {
+        std::fs::write("/proc/thread-self/fail-nth", n.to_string())
+            .map_err(|e| format!("fail-nth: {e}"))?;
+        let r = ctx.core.reg(a.va + 0x1000, 6 * M, PMC_REG_INVAL_SUPP);
+        let left: u32 = std::fs::read_to_string("/proc/thread-self/fail-nth")
+            .map_err(|e| e.to_string())?
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        std::fs::write("/proc/thread-self/fail-nth", "0").map_err(|e| e.to_string())?;
+        match r {
+            Ok(h) => {
+                ctx.core.dereg(h).map_err(errno_name)?;
+                if left != 0 {
+                    ok = true; // the n-th allocation was never reached
+                    break;
+                }
+                // An allocation failed and the registration still got
+                // through (e.g. a fallback): fine, keep sweeping.
+                sites += 1;
+            }
+            Err(e) => {
+                ensure!(
+                    left == 0,
+                    "registration failed without an injected fault: {}",
+                    errno_name(e)
+                );
+                ensure!(
+                    [libc::ENOMEM, libc::EFAULT].contains(&e),
+                    "allocation failure {n} reached user space as {}",
+                    errno_name(e)
+                );
+                *errnos.entry(e).or_insert(0) += 1;
+                sites += 1;
+            }
+        }
+        let gi = ctx.gpu().info();
+        ensure!(
+            gi.live_tables == 0 && gi.live_mappings == 0,
+            "failure {n} leaked pins or mappings"
+        );
+        ensure!(ctx.core.info().live_umems == 0, "failure {n} leaked a umem");
+    }
+    for dir in [
+        "/sys/kernel/debug/failslab",
+        "/sys/kernel/debug/fail_page_alloc",
+    ] {
+        module::debugfs_write(&format!("{dir}/require-start"), "0")?;
+        module::debugfs_write(&format!("{dir}/require-end"), "0")?;
+    }
+    ensure!(ok, "the sweep never got a registration through");
+    ensure!(sites >= 2, "only {sites} allocation sites reached");
+    reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
+    Ok(format!(
+        "{sites} allocation failures injected, user errnos {errnos:?}"
+    ))
 }
 
 fn rmmod_refused(ctx: &mut Ctx) -> Result<String, String> {
@@ -1087,16 +1225,31 @@ fn slow_free_callback(ctx: &mut Ctx) -> Result<String, String> {
 
 fn contiguous_1g(ctx: &mut Ctx) -> Result<String, String> {
     const G: u64 = 1 << 30;
-    let a = ctx.gpu().alloc(0, G).map_err(|e| format!("alloc 1 GiB: {}", errno_name(e)))?;
+    let a = ctx
+        .gpu()
+        .alloc(0, G)
+        .map_err(|e| format!("alloc 1 GiB: {}", errno_name(e)))?;
     let t = Instant::now();
-    let h = ctx.core.reg(a.va, G, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, G, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
     let reg_ms = t.elapsed().as_millis();
     let q = ctx.core.query(h).map_err(errno_name)?;
     let seed = ctx.rand();
-    ctx.core.dma_write(h, G - 64, &pattern(seed, 0, 64)).map_err(errno_name)?;
-    ensure!(a.read(G - 64, 64) == pattern(seed, 0, 64), "last bytes of the 1 GiB MR wrong");
+    ctx.core
+        .dma_write(h, G - 64, &pattern(seed, 0, 64))
+        .map_err(errno_name)?;
+    ensure!(
+        a.read(G - 64, 64) == pattern(seed, 0, 64),
+        "last bytes of the 1 GiB MR wrong"
+    );
     ctx.core.dereg(h).map_err(errno_name)?;
     ensure!(q.nmap == 1, "{} SG entries for 1 GiB contiguous", q.nmap);
     ensure!(q.first_len == G, "first entry {:#x} bytes", q.first_len);
-    Ok(format!("1 GiB: {} SG entry (C module: {}); registration {reg_ms} ms", q.nmap, G / K64))
+    Ok(format!(
+        "1 GiB: {} SG entry (C module: {}); registration {reg_ms} ms",
+        q.nmap,
+        G / K64
+    ))
 }

@@ -21,11 +21,11 @@
 //! callback), the callback's reference is dropped exactly once, the
 //! registration is freed exactly once and not leaked, and nothing deadlocks.
 
+use crate::lifecycle::{Invalidate, Lifecycle, Outcome, Teardown};
 use loom::sync::{
     atomic::{AtomicUsize, Ordering::SeqCst},
     Arc, Mutex,
 };
-use crate::lifecycle::{Invalidate, Lifecycle, Outcome, Teardown};
 
 /// nvidia.ko's tracker of one page table (under the driver's lock).
 #[derive(Default)]
@@ -56,7 +56,10 @@ struct Provider {
 
 impl Provider {
     fn new() -> Self {
-        Self { rm: Mutex::new(Tracker::default()), table: Mutex::new(Table::default()) }
+        Self {
+            rm: Mutex::new(Tracker::default()),
+            table: Mutex::new(Table::default()),
+        }
     }
 
     fn get_pages(&self, cb: Option<Arc<Reg>>) {
@@ -167,7 +170,11 @@ fn teardown(reg: &Reg, t: Teardown, invalidating: bool) -> Option<Arc<Reg>> {
 fn core_thread(reg: Arc<Reg>, core: &Core, invalidating: bool) {
     // acquire: pin, with the callback's own reference.
     reg.lc.lock().unwrap().start_pin().unwrap();
-    let cb = if invalidating { Some(Arc::clone(&reg)) } else { None };
+    let cb = if invalidating {
+        Some(Arc::clone(&reg))
+    } else {
+        None
+    };
     reg.provider.get_pages(cb);
     let pinned = reg.lc.lock().unwrap().pin_succeeded() == Outcome::Done;
     let mut mapped = false;
@@ -203,7 +210,10 @@ fn model(invalidating: bool) -> usize {
         EXPLORED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let drops = Arc::new(AtomicUsize::new(0));
         let provider = Arc::new(Provider::new());
-        let core = Arc::new(Core { mapping: Mutex::new(()), invalidations: AtomicUsize::new(0) });
+        let core = Arc::new(Core {
+            mapping: Mutex::new(()),
+            invalidations: AtomicUsize::new(0),
+        });
         let reg = Arc::new(Reg {
             lc: Mutex::new(Lifecycle::new(invalidating)),
             provider: Arc::clone(&provider),
@@ -214,10 +224,22 @@ fn model(invalidating: bool) -> usize {
         core_thread(reg, &core, invalidating);
         freer.join().unwrap();
         let s = provider.rm.lock().unwrap();
-        assert!(!s.linked && !provider.table.lock().unwrap().allocated, "the pin outlived everything");
-        assert!(s.released <= 1, "the page table was released {} times", s.released);
+        assert!(
+            !s.linked && !provider.table.lock().unwrap().allocated,
+            "the pin outlived everything"
+        );
+        assert!(
+            s.released <= 1,
+            "the page table was released {} times",
+            s.released
+        );
         assert!(s.callback_ref.is_none());
-        assert_eq!(drops.load(SeqCst), 1, "registration freed {} times", drops.load(SeqCst));
+        assert_eq!(
+            drops.load(SeqCst),
+            1,
+            "registration freed {} times",
+            drops.load(SeqCst)
+        );
     });
     EXPLORED.load(std::sync::atomic::Ordering::SeqCst)
 }
@@ -228,5 +250,8 @@ fn free_callback_against_registration_and_teardown() {
     let inv = model(true);
     let per = model(false);
     println!("loom: explored {inv} interleavings (invalidating), {per} (persistent)");
-    assert!(inv > 10 && per > 1, "the models explored too little: {inv}, {per}");
+    assert!(
+        inv > 10 && per > 1,
+        "the models explored too little: {inv}, {per}"
+    );
 }
