@@ -6,6 +6,8 @@
 #   make KDIR=<tree>     the same for any prepared 7.3 tree with Rust metadata
 #   make test            everything: host tests, KUnit, end-to-end on both kernels
 #   make demo            the stock Debian kernel in QEMU, doing the module's job
+#   make bench           ours against NVIDIA's C module, one boot (not a test)
+#   make soak            the stress workload, 1,000,000 operations
 #   make clean | rust-analyzer | CLIPPY=1
 #
 # On a developer machine everything runs inside the build root that
@@ -18,12 +20,12 @@ PEERMEM_CACHE ?= $(HOME)/.cache/peermem-rs
 export PEERMEM_CACHE
 WORK := $(PEERMEM_CACHE)/work
 
-HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak cargo-test e2e-bin
+HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench cargo-test e2e-bin
 .DEFAULT_GOAL := all
 
 ifeq ($(PEERMEM_IN_ROOT)$(PEERMEM_NATIVE)$(PEERMEM_SYMVERS),)
 # --- on the host: set up what is missing, then run the same goals in the root
-FULL_SETUP := $(filter test demo soak,$(or $(MAKECMDGOALS),all))
+FULL_SETUP := $(filter test soak,$(or $(MAKECMDGOALS),all))
 .PHONY: $(or $(MAKECMDGOALS),all) peermem-delegate
 $(or $(MAKECMDGOALS),all): peermem-delegate ; @:
 peermem-delegate:
@@ -40,7 +42,7 @@ KCLANG := $(shell grep -qx 'CONFIG_CC_IS_CLANG=y' $(KDIR)/.config 2>/dev/null &&
 KMAKE = $(MAKE) -C $(KDIR) M=$(TOP) MO=$(OUT) NVIDIA_SRC=$(NVIDIA_SRC) $(KCLANG) \
 	$(if $(PEERMEM_SYMVERS),PEERMEM_PRODUCT_ONLY=1 KBUILD_EXTRA_SYMBOLS="$(PEERMEM_SYMVERS)")
 
-.PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak cargo-test e2e-bin check-kdir check-symvers
+.PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench cargo-test e2e-bin check-kdir check-symvers
 
 all modules: check-kdir check-symvers
 	@mkdir -p $(OUT)
@@ -89,6 +91,9 @@ test:
 
 demo:
 	$(TOP)/scripts/demo
+
+bench:
+	$(TOP)/scripts/bench
 
 soak:
 	PEERMEM_STRESS_OPS=1000000 $(TOP)/scripts/run-tests --soak

@@ -26,14 +26,14 @@ use crate::{
 
 /// Page-table major versions whose fields up to `gpu_uuid` we can read:
 /// 1 (drivers up to 575, minor 2 or later) and 2 (580 and later).
-const fn page_table_version_ok(v: u32) -> bool {
+pub(crate) const fn page_table_version_ok(v: u32) -> bool {
     let (major, minor) = (v >> 16, v & 0xffff);
     let compiled_minor = ffi::NVIDIA_P2P_PAGE_TABLE_VERSION & 0xffff;
     (major == 1 && minor >= compiled_minor) || major == 2
 }
 
 /// DMA mappings of major 2 with at least the compiled minor.
-const fn dma_mapping_version_ok(v: u32) -> bool {
+pub(crate) const fn dma_mapping_version_ok(v: u32) -> bool {
     let want = ffi::NVIDIA_P2P_DMA_MAPPING_VERSION;
     v >> 16 == want >> 16 && (v & 0xffff) >= (want & 0xffff)
 }

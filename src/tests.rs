@@ -87,6 +87,7 @@ mod coalesce_tests {
         Coalescer,
         Segment, //
     };
+    use kernel::prelude::*;
 
     const P: u64 = 1 << 16;
 
@@ -119,6 +120,32 @@ mod coalesce_tests {
         assert_eq!(count(&a, P, 2 * P), 3);
         assert_eq!(count(&a, P, 2 * P + 1), 3);
         assert_eq!(count(&a, P, 1), 5);
+    }
+
+    #[test]
+    fn one_gib_contiguous_is_one_segment_and_bounded_by_max_seg() {
+        let mut a = KVec::with_capacity(16384, GFP_KERNEL).unwrap();
+        for i in 0..16384u64 {
+            a.push(0x1_0000_0000 + i * P, GFP_KERNEL).unwrap();
+        }
+        assert_eq!(count(&a, P, 1 << 31), 1);
+        assert_eq!(count(&a, P, 1 << 28), 4);
+        assert_eq!(count(&a, P, P), 16384);
+    }
+
+    #[test]
+    fn run_ending_exactly_at_max_segment() {
+        let a = [0, P, 2 * P, 3 * P];
+        let mut it = Coalescer::new(&a, P, 2 * P);
+        assert_eq!(it.next(), Some(Segment { addr: 0, len: 2 * P }));
+        assert_eq!(it.next(), Some(Segment { addr: 2 * P, len: 2 * P }));
+        assert_eq!(it.next(), None);
+    }
+
+    #[test]
+    fn descending_addresses_do_not_merge() {
+        let a = [3 * P, 2 * P, P];
+        assert_eq!(count(&a, P, 1 << 31), 3);
     }
 
     #[test]
@@ -239,6 +266,56 @@ mod lifecycle_tests {
     }
 
     #[test]
+    fn map_failure_returns_to_pinned_and_can_retry() {
+        let mut l = Lifecycle::new(true);
+        l.start_pin().unwrap();
+        assert_eq!(l.pin_succeeded(), Outcome::Done);
+        l.start_map().unwrap();
+        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Mapping)));
+        l.map_failed();
+        assert_eq!(l.phase(), Phase::Pinned);
+        l.start_map().unwrap();
+        assert_eq!(l.map_succeeded(), Outcome::Done);
+        assert!(l.sg_owned());
+    }
+
+    #[test]
+    fn revoke_while_mapping_refuses_the_map() {
+        let mut l = Lifecycle::new(true);
+        l.start_pin().unwrap();
+        assert_eq!(l.pin_succeeded(), Outcome::Done);
+        l.start_map().unwrap();
+        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
+        assert_eq!(l.map_succeeded(), Outcome::Revoked);
+        assert!(!l.sg_owned());
+        assert_eq!(l.release(), Teardown::default());
+    }
+
+    #[test]
+    fn revoke_after_unpin_is_quiet_and_keeps_callback_ref_with_callback() {
+        let mut l = mapped(true);
+        let t = l.release();
+        assert!(t.unpin_provider);
+        // The callback fired while the provider's unpin was in flight.
+        assert_eq!(l.invalidate(), Invalidate::Quiet);
+        assert!(!l.unpinned());
+        assert!(l.callback_fired());
+    }
+
+    #[test]
+    fn nothing_is_legal_after_release() {
+        let mut l = mapped(false);
+        l.release();
+        l.released();
+        assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Released)));
+        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Released)));
+        assert_eq!(l.unmap(), Teardown::default());
+        assert_eq!(l.put_pages(), Teardown::default());
+        assert_eq!(l.release(), Teardown::default());
+        assert_eq!(l.invalidate(), Invalidate::Quiet);
+    }
+
+    #[test]
     fn release_of_mapped_undoes_everything() {
         let mut l = mapped(false);
         assert_eq!(
@@ -249,5 +326,49 @@ mod lifecycle_tests {
                 unpin_provider: true
             }
         );
+    }
+}
+
+#[kunit_tests(nvidia_peermem_p2p)]
+mod p2p_tests {
+    use crate::p2p::{
+        dma_mapping_version_ok,
+        page_table_version_ok,
+        provider_error, //
+    };
+    use kernel::prelude::*;
+
+    #[test]
+    fn page_table_versions() {
+        assert!(page_table_version_ok(0x0001_0002));
+        assert!(page_table_version_ok(0x0001_0003));
+        assert!(page_table_version_ok(0x0002_0000));
+        assert!(page_table_version_ok(0x0002_0007));
+        assert!(!page_table_version_ok(0x0001_0001));
+        assert!(!page_table_version_ok(0x0003_0000));
+        assert!(!page_table_version_ok(0));
+    }
+
+    #[test]
+    fn dma_mapping_versions() {
+        assert!(dma_mapping_version_ok(0x0002_0003));
+        assert!(dma_mapping_version_ok(0x0002_0004));
+        assert!(!dma_mapping_version_ok(0x0002_0002));
+        assert!(!dma_mapping_version_ok(0x0001_0003));
+        assert!(!dma_mapping_version_ok(0x0003_0003));
+    }
+
+    #[test]
+    fn provider_errors_never_leak_enotsupp() {
+        assert_eq!(provider_error(-524), EOPNOTSUPP);
+        assert_eq!(provider_error(-95), EOPNOTSUPP);
+        assert_eq!(provider_error(-12), ENOMEM);
+        assert_eq!(provider_error(-22), EINVAL);
+        assert_eq!(provider_error(-16), EBUSY);
+        assert_eq!(provider_error(-19), ENODEV);
+        // Anything unexpected becomes EIO, never a positive or odd value.
+        assert_eq!(provider_error(-3), EIO);
+        assert_eq!(provider_error(-4000), EIO);
+        assert_eq!(provider_error(7), EIO);
     }
 }

@@ -45,6 +45,17 @@
 #endif
 
 #define GPU_PAGE	(64UL * 1024)
+
+/*
+ * GPU BAR pages are MMIO, not cached RAM: DMA-API debug's cacheline overlap
+ * accounting (meant for kernel memory) does not apply, and many MRs on one
+ * GPU buffer legitimately map the same BAR page many times.
+ */
+#ifdef DMA_ATTR_DEBUGGING_IGNORE_CACHELINES
+#define EMU_DMA_ATTRS DMA_ATTR_DEBUGGING_IGNORE_CACHELINES
+#else
+#define EMU_DMA_ATTRS 0
+#endif
 #define MAX_GPUS	4
 
 static unsigned int page_table_version = 0x00010002;
@@ -80,6 +91,7 @@ struct emu_gpu {
 	u64 bar1_used;
 	unsigned long nchunks;
 	unsigned long *used;
+	u32 *bar1_refs;		/* pins per 64 KiB page: pins of one page share its BAR1 mapping */
 	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
 };
 
@@ -106,6 +118,7 @@ struct emu_table {
 	u32 flags_v2;
 	struct list_head node;		/* in alloc->tables */
 	struct emu_alloc *alloc;
+	u64 first_chunk;		/* BAR page of entry 0 */
 	bool persistent;
 	bool force_bar1;
 	void (*cb)(void *data);
@@ -200,6 +213,35 @@ static void release_bar(struct emu_alloc *a)
 	bitmap_clear(a->gpu->used, a->chunk, a->size / GPU_PAGE);
 }
 
+/* BAR1 space of the pages [first, first + n) of @g. rm_lock held. */
+static u64 bar1_needed(struct emu_gpu *g, u64 first, u64 n)
+{
+	u64 i, need = 0;
+
+	for (i = first; i < first + n; i++)
+		if (!g->bar1_refs[i])
+			need += GPU_PAGE;
+	return need;
+}
+
+static void bar1_get(struct emu_gpu *g, u64 first, u64 n)
+{
+	u64 i;
+
+	for (i = first; i < first + n; i++)
+		if (!g->bar1_refs[i]++)
+			g->bar1_used += GPU_PAGE;
+}
+
+static void bar1_put(struct emu_gpu *g, u64 first, u64 n)
+{
+	u64 i;
+
+	for (i = first; i < first + n; i++)
+		if (!--g->bar1_refs[i])
+			g->bar1_used -= GPU_PAGE;
+}
+
 /* Frees the struct once nothing refers to it. rm_lock held. */
 static void maybe_destroy(struct emu_alloc *a)
 {
@@ -216,7 +258,7 @@ static void free_mapping(struct emu_mapping *em)
 	struct device *dev = &em->m.pci_dev->dev;
 
 	for (i = 0; i < em->nruns; i++)
-		dma_unmap_resource(dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, 0);
+		dma_unmap_resource(dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
 	kfree(em);
@@ -234,7 +276,7 @@ static void free_table(struct emu_table *t)
 	spin_unlock(&t->lock);
 	list_for_each_entry_safe(em, tmp, &doomed, node)
 		free_mapping(em);
-	t->alloc->gpu->bar1_used -= (u64)t->pt.entries * GPU_PAGE;
+	bar1_put(t->alloc->gpu, t->first_chunk, t->pt.entries);
 	kvfree(t->pt.pages);
 	kvfree(t->page_structs);
 	kfree(t->pt.gpu_uuid);
@@ -332,13 +374,14 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 		err = -EINVAL;
 		goto out_unlock;
 	}
-	if (a->gpu->bar1_used + len > a->gpu->bar1_budget) {
+	t->first_chunk = a->chunk + (va - a->va) / GPU_PAGE;
+	if (a->gpu->bar1_used + bar1_needed(a->gpu, t->first_chunk, n) > a->gpu->bar1_budget) {
 		pr_info("NVRM: BAR1 exhausted on GPU %d (%llu of %llu bytes used)\n",
 			a->gpu->index, a->gpu->bar1_used, a->gpu->bar1_budget);
 		err = -ENOMEM;
 		goto out_unlock;
 	}
-	a->gpu->bar1_used += len;
+	bar1_get(a->gpu, t->first_chunk, n);
 	t->pt.version = page_table_version;
 	t->pt.page_size = page_size_type;
 	t->pt.entries = n;
@@ -503,7 +546,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table 
 			if (page_table->pages[r]->physical_address != start + (u64)(r - i) * GPU_PAGE)
 				break;
 		len = (u64)(r - i) * GPU_PAGE;
-		dma = dma_map_resource(&peer->dev, start, len, DMA_BIDIRECTIONAL, 0);
+		dma = dma_map_resource(&peer->dev, start, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
 		if (dma_mapping_error(&peer->dev, dma)) {
 			err = -EIO;
 			goto fail;
@@ -528,7 +571,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table 
 
 fail:
 	for (i = 0; i < em->nruns; i++)
-		dma_unmap_resource(&peer->dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, 0);
+		dma_unmap_resource(&peer->dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
 	kfree(em);
@@ -822,7 +865,8 @@ static int emu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	g->bar1_budget = bar1_size_mb ? min_t(u64, (u64)bar1_size_mb << 20, g->size) : g->size;
 	g->nchunks = g->size / GPU_PAGE;
 	g->used = devm_bitmap_zalloc(&pdev->dev, g->nchunks, GFP_KERNEL);
-	if (!g->used)
+	g->bar1_refs = devm_kcalloc(&pdev->dev, g->nchunks, sizeof(*g->bar1_refs), GFP_KERNEL);
+	if (!g->used || !g->bar1_refs)
 		return -ENOMEM;
 	memset(g->uuid, 0x60 + g->index, sizeof(g->uuid));
 	gpus[ngpus++] = g;

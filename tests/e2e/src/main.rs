@@ -8,6 +8,7 @@
 //! Output: `E2E ok <mode>/<scenario> ...` or `E2E FAIL <mode>/<scenario>: why`,
 //! then `E2E-SUMMARY: N passed, M failed`.
 
+mod bench;
 mod demo;
 mod dev;
 mod module;
@@ -123,6 +124,25 @@ fn main() {
     match std::env::args().nth(1).as_deref() {
         Some("demo") => std::process::exit(if demo::run() { 0 } else { 1 }),
         Some("child-hold") => stress::child_hold(),
+        Some("bench") => {
+            // bench <impl> <cost> <live counts, comma-separated>
+            let a: Vec<String> = std::env::args().skip(2).collect();
+            let live: Vec<u64> = a
+                .get(2)
+                .map(|s| s.split(',').filter_map(|n| n.parse().ok()).collect())
+                .unwrap_or_default();
+            match bench::run(
+                a.first().map_or("ours", |s| s),
+                a.get(1).map_or("zero", |s| s),
+                &live,
+            ) {
+                Ok(()) => std::process::exit(0),
+                Err(e) => {
+                    println!("BENCH-FAIL {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
         _ => {}
     }
     let mut args = std::env::args().skip(1);
@@ -189,7 +209,7 @@ fn main() {
         }
         for s in scenarios::ALL {
             if let Some(f) = &ctx.opts.filter {
-                if !s.name.contains(f.as_str()) {
+                if !f.split(',').any(|f| s.name.contains(f)) {
                     continue;
                 }
             }
@@ -234,7 +254,7 @@ fn main() {
                 }
             }
         }
-        if ctx.opts.stress_ops > 0 && ctx.opts.filter.is_none() {
+        if ctx.opts.stress_ops > 0 {
             let r = stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed)
                 .and_then(|d| scenarios::quiescent(&ctx).map(|_| d));
             match r {

@@ -118,6 +118,11 @@ pub const ALL: &[Scenario] = &[
         run: allocation_failure_sweep,
     },
     Scenario {
+        name: "hostile_caller_fuzz",
+        applies: always,
+        run: hostile_fuzz,
+    },
+    Scenario {
         name: "rmmod_refused_while_registered",
         applies: always,
         run: rmmod_refused,
@@ -993,6 +998,118 @@ fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
     reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
     Ok(format!(
         "{sites} allocation failures injected, user errnos {errnos:?}"
+    ))
+}
+
+/// What a hostile `ibv_reg_mr` caller can send through the core, at random
+/// for a bounded time: addresses anywhere (and near or inside GPU memory),
+/// any lengths, bad flags, handles never issued or already freed, DMA with any
+/// offset, length and direction. Every answer must be a clean errno (never
+/// 524), every success is undone, and nothing is left behind.
+fn hostile_fuzz(ctx: &mut Ctx) -> Result<String, String> {
+    let secs = if ctx.opts.quick { 3 } else { 15 };
+    let allowed = [
+        libc::EINVAL,
+        libc::EFAULT,
+        libc::ENOMEM,
+        libc::EACCES,
+        libc::EOPNOTSUPP,
+        libc::ENODEV,
+    ];
+    let a = ctx.gpu().alloc(0, 4 * M).map_err(errno_name)?;
+    let mut live: Vec<u64> = Vec::new();
+    let mut dead: Vec<u64> = Vec::new();
+    let (mut calls, mut ok) = (0u64, 0u64);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(secs) {
+        calls += 1;
+        let r = ctx.rand();
+        let pick = |x: u64, v: &[u64]| {
+            if v.is_empty() {
+                x
+            } else {
+                v[(x % v.len() as u64) as usize]
+            }
+        };
+        let res: Result<(), i32> = match r % 8 {
+            0..=3 => {
+                let addr = match (r >> 8) % 4 {
+                    0 => ctx.rand(),
+                    1 => a.va.wrapping_add(ctx.rand() % (8 * M)).wrapping_sub(2 * M),
+                    2 => a.va + ctx.rand() % (4 * M),
+                    _ => ctx.rand() % (1 << 47),
+                };
+                let len = match (r >> 16) % 5 {
+                    0 => 0,
+                    1 => ctx.rand(),
+                    2 => 1 + ctx.rand() % (8 * M),
+                    3 => u64::MAX - ctx.rand() % 4096,
+                    _ => 1 + ctx.rand() % 4096,
+                };
+                let flags = ctx.rand() % 16;
+                match ctx.core.reg(addr, len, flags) {
+                    Ok(h) => {
+                        ok += 1;
+                        live.push(h);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            4 => {
+                let h = match (r >> 8) % 3 {
+                    0 => ctx.rand(),
+                    1 => pick(ctx.rand(), &dead),
+                    _ => {
+                        if live.is_empty() {
+                            ctx.rand()
+                        } else {
+                            let i = (ctx.rand() % live.len() as u64) as usize;
+                            live.swap_remove(i)
+                        }
+                    }
+                };
+                let r = ctx.core.dereg(h);
+                if r.is_ok() {
+                    dead.push(h);
+                }
+                r
+            }
+            5 => {
+                let h = pick(ctx.rand(), if (r >> 8) % 2 == 0 { &live } else { &dead });
+                let mut buf = vec![0u8; 1 + (ctx.rand() % 64) as usize];
+                let off = if (r >> 9) % 2 == 0 {
+                    ctx.rand()
+                } else {
+                    ctx.rand() % (4 * M)
+                };
+                if (r >> 10) % 2 == 0 {
+                    ctx.core.dma_read(h, off, buf.len()).map(|_| ())
+                } else {
+                    buf[0] = 1;
+                    ctx.core.dma_write(h, off, &buf)
+                }
+            }
+            _ => {
+                let h = pick(ctx.rand(), if (r >> 8) % 2 == 0 { &live } else { &dead });
+                ctx.core.query(h).map(|_| ())
+            }
+        };
+        if let Err(e) = res {
+            ensure!(e != 524, "ENOTSUPP (524) reached user space (call {calls})");
+            ensure!(
+                allowed.contains(&e),
+                "call {calls} answered {}",
+                errno_name(e)
+            );
+        }
+    }
+    for h in live {
+        ctx.core.dereg(h).map_err(errno_name)?;
+    }
+    drop(a);
+    Ok(format!(
+        "{calls} hostile calls in {secs} s, {ok} registrations accepted and undone"
     ))
 }
 

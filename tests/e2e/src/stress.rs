@@ -38,7 +38,20 @@ fn next(x: &mut u64) -> u64 {
     *x
 }
 
-fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, String> {
+/// Operations carried out, by kind.
+#[derive(Default, Clone, Copy)]
+struct Counts {
+    alloc: u64,
+    reg: u64,
+    dereg: u64,
+    free: u64,
+    query: u64,
+    dma: u64,
+    kill: u64,
+}
+
+fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts, String> {
+    let mut n = Counts::default();
     let g = Gpu::open()?;
     let c = Core::open()?;
     let mut x = seed ^ ((t as u64 + 1) * 0x9e37_79b9_7f4a_7c15);
@@ -48,40 +61,40 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, S
     };
     let mut done = 0;
     while done < ops {
-        done += 1;
         let r = next(&mut x) % 1000;
-        let live_allocs = p.allocs.iter().filter(|a| a.is_some()).count();
         let e = |what: &str, err: i32| {
             format!("thread {t} op {done} {what}: errno {err} (seed {seed})")
         };
-        if r < 150 && live_allocs < 6 {
+        // Allocations not freed yet, and freed (by ioctl) but still mapped.
+        let live: Vec<usize> = (0..p.allocs.len())
+            .filter(|&i| p.allocs[i].as_ref().is_some_and(|a| !a.1))
+            .collect();
+        let freed: Vec<usize> = (0..p.allocs.len())
+            .filter(|&i| p.allocs[i].as_ref().is_some_and(|a| a.1))
+            .collect();
+        let pick = |x: &mut u64, v: &[usize]| v[(next(x) % v.len() as u64) as usize];
+        if r < 120 && live.len() < 6 || live.is_empty() && r < 700 {
             let size = K64 * (1 + next(&mut x) % 32);
             let a = g
                 .alloc(next(&mut x) % 2, size)
                 .map_err(|err| e("alloc", err))?;
             p.allocs.push(Some((a, false)));
-        } else if r < 500 && !p.mrs.is_empty() || r < 500 && live_allocs == 0 {
-            // deregister (or nothing to register on)
-            if !p.mrs.is_empty() {
-                let i = (next(&mut x) % p.mrs.len() as u64) as usize;
-                let mr = p.mrs.swap_remove(i);
-                c.dereg(mr.handle).map_err(|err| e("dereg", err))?;
-            }
-        } else if r < 800 {
-            // register a random unaligned sub-range of a random allocation
-            let live: Vec<usize> = (0..p.allocs.len())
-                .filter(|&i| p.allocs[i].is_some())
-                .collect();
-            if live.is_empty() {
-                continue;
-            }
-            let i = live[(next(&mut x) % live.len() as u64) as usize];
-            let (a, freed) = p.allocs[i].as_ref().unwrap();
+            n.alloc += 1;
+        } else if r < 420 && p.mrs.len() < 24 {
+            // register a random unaligned sub-range, now and then of freed memory
+            let use_freed = !freed.is_empty() && next(&mut x) % 20 == 0;
+            let i = if use_freed {
+                pick(&mut x, &freed)
+            } else {
+                pick(&mut x, &live)
+            };
+            let (a, is_freed) = p.allocs[i].as_ref().unwrap();
             let off = next(&mut x) % a.size;
             let len = 1 + next(&mut x) % (a.size - off);
             let inval = next(&mut x) % 2 == 0;
             let res = c.reg(a.va + off, len, if inval { PMC_REG_INVAL_SUPP } else { 0 });
-            match (res, *freed) {
+            n.reg += 1;
+            match (res, *is_freed) {
                 (Ok(h), false) => p.mrs.push(Mr {
                     handle: h,
                     alloc: i,
@@ -91,21 +104,27 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, S
                 (Ok(_), true) => return Err(e("register freed GPU memory succeeded", 0)),
                 (Err(err), _) => return Err(e("reg", err)),
             }
-        } else if r < 880 {
+        } else if r < 700 {
+            if p.mrs.is_empty() {
+                continue;
+            }
+            let i = (next(&mut x) % p.mrs.len() as u64) as usize;
+            let mr = p.mrs.swap_remove(i);
+            c.dereg(mr.handle).map_err(|err| e("dereg", err))?;
+            n.dereg += 1;
+        } else if r < 780 {
             // free an allocation: munmap or the free ioctl
-            let live: Vec<usize> = (0..p.allocs.len())
-                .filter(|&i| p.allocs[i].as_ref().is_some_and(|a| !a.1))
-                .collect();
             if live.is_empty() {
                 continue;
             }
-            let i = live[(next(&mut x) % live.len() as u64) as usize];
+            let i = pick(&mut x, &live);
+            n.free += 1;
             if next(&mut x) % 2 == 0 {
                 p.allocs[i] = None; // drop = munmap
             } else {
-                let (a, freed) = p.allocs[i].as_mut().unwrap();
+                let (a, f) = p.allocs[i].as_mut().unwrap();
                 g.free(a).map_err(|err| e("free", err))?;
-                *freed = true;
+                *f = true;
             }
             for mr in p.mrs.iter().filter(|m| m.alloc == i) {
                 let q = c.query(mr.handle).map_err(|err| e("query", err))?;
@@ -117,8 +136,16 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, S
                     ));
                 }
             }
-        } else if r < 996 {
+        } else if r < 800 {
+            if freed.is_empty() {
+                continue;
+            }
+            let i = pick(&mut x, &freed);
+            p.allocs[i] = None; // munmap what the ioctl freed
+            n.free += 1;
+        } else if r < 998 {
             // query every MR against the model
+            n.query += 1;
             for mr in &p.mrs {
                 let q = c.query(mr.handle).map_err(|err| e("query", err))?;
                 let gone = p.allocs[mr.alloc].as_ref().is_none_or(|a| a.1);
@@ -138,6 +165,7 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, S
             let mr = &p.mrs[(next(&mut x) % p.mrs.len() as u64) as usize];
             let q = c.query(mr.handle).map_err(|err| e("query", err))?;
             let res = c.dma_read(mr.handle, 0, 8);
+            n.dma += 1;
             match (res, q.revoked) {
                 (Ok(_), 0) | (Err(libc::EACCES), 1) => {}
                 (r, rev) => return Err(e(&format!("DMA {r:?} on MR revoked={rev}"), 0)),
@@ -154,17 +182,20 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<u64, S
                 .read_line(&mut line)
                 .map_err(|err| err.to_string())?;
             child.kill().map_err(|err| err.to_string())?;
+            n.kill += 1;
             child.wait().map_err(|err| err.to_string())?;
             if line.trim() != "ready" {
                 return Err(format!("thread {t}: child could not register: {line}"));
             }
         }
+        // Draws that found nothing to do (`continue`) are not counted.
+        done += 1;
     }
     for mr in p.mrs.drain(..) {
         c.dereg(mr.handle)
             .map_err(|err| format!("final dereg: {err}"))?;
     }
-    Ok(done)
+    Ok(n)
 }
 
 /// Runs `ops` operations over `threads` threads; prints the rate.
@@ -173,7 +204,7 @@ pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64) -> Result<String, St
     let exe = exe.to_string_lossy().into_owned();
     let t0 = Instant::now();
     let per = ops / threads as u64;
-    let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<Counts, String>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|t| {
                 let exe = exe.clone();
@@ -187,14 +218,23 @@ pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64) -> Result<String, St
             })
             .collect()
     });
-    let mut total = 0;
+    let mut n = Counts::default();
     for r in results {
-        total += r?;
+        let c = r?;
+        n.alloc += c.alloc;
+        n.reg += c.reg;
+        n.dereg += c.dereg;
+        n.free += c.free;
+        n.query += c.query;
+        n.dma += c.dma;
+        n.kill += c.kill;
     }
+    let total = n.alloc + n.reg + n.dereg + n.free + n.query + n.dma + n.kill;
     let secs = t0.elapsed().as_secs_f64();
     Ok(format!(
-        "{total} operations in {secs:.1} s ({:.0} ops/s), {threads} threads, seed {seed}",
-        total as f64 / secs
+        "{total} operations in {secs:.1} s ({:.0} ops/s; {} alloc, {} reg, {} dereg, {} free, {} query, {} DMA, {} killed children), {threads} threads, seed {seed}",
+        total as f64 / secs,
+        n.alloc, n.reg, n.dereg, n.free, n.query, n.dma, n.kill
     ))
 }
 

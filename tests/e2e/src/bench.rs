@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `peermem-e2e bench`: one implementation's numbers for `make bench`.
+//!
+//! Times are taken in the guest with CLOCK_MONOTONIC around the ioctls;
+//! provider calls come from the emulated driver's counters, kernel memory from
+//! /proc/meminfo. Prints one JSON object per line (`BENCH {...}`), which
+//! scripts/bench pairs across implementations and rounds.
+
+use std::time::Instant;
+
+use crate::{dev::Core, dev::Gpu, uapi::*};
+
+const K64: u64 = 64 << 10;
+const M: u64 = 1 << 20;
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn kmem() -> u64 {
+    let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // Slab plus vmalloc, in bytes.
+    (field("Slab:") + field("VmallocUsed:")) * 1024
+}
+
+fn emit(imp: &str, cost: &str, metric: &str, key: &str, value: f64) {
+    println!("BENCH {{\"impl\":\"{imp}\",\"cost\":\"{cost}\",\"metric\":\"{metric}\",\"key\":\"{key}\",\"value\":{value}}}");
+}
+
+fn errno(e: i32) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+/// Runs the workload for implementation `imp` ("ours" or "C").
+pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
+    let g = Gpu::open()?;
+    let c = Core::open()?;
+    let flags = [("invalidating", PMC_REG_INVAL_SUPP), ("persistent", 0)];
+    let sizes: [(u64, usize, &str); 4] = [
+        (K64, 40, "64K"),
+        (2 * M, 20, "2M"),
+        (64 * M, 5, "64M"),
+        (1 << 30, 3, "1G"),
+    ];
+    let a = g.alloc(0, 1 << 30).map_err(errno)?;
+    for (fname, f) in flags {
+        for (size, reps, sname) in sizes {
+            let key = format!("{fname}/{sname}");
+            let (mut reg, mut dereg) = (Vec::new(), Vec::new());
+            let i0 = g.info();
+            let mut nmap = 0;
+            for _ in 0..reps {
+                let t = Instant::now();
+                let h = c.reg(a.va, size, f).map_err(errno)?;
+                reg.push(t.elapsed().as_secs_f64() * 1e6);
+                nmap = c.query(h).map_err(errno)?.nmap;
+                let t = Instant::now();
+                c.dereg(h).map_err(errno)?;
+                dereg.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            let i1 = g.info();
+            let pins =
+                (i1.pins + i1.persistent_pins - i0.pins - i0.persistent_pins) as f64 / reps as f64;
+            emit(imp, cost, "register_us", &key, median(&mut reg));
+            emit(imp, cost, "deregister_us", &key, median(&mut dereg));
+            emit(imp, cost, "pins_per_registration", &key, pins);
+            emit(
+                imp,
+                cost,
+                "unpins_per_registration",
+                &key,
+                (i1.unpins - i0.unpins) as f64 / reps as f64,
+            );
+            emit(imp, cost, "sg_entries", &key, nmap as f64);
+            if cost == "zero" {
+                // Kernel memory per live registration.
+                let live = reps.min(8);
+                let m0 = kmem();
+                let hs: Vec<u64> = (0..live)
+                    .map(|_| c.reg(a.va, size, f))
+                    .collect::<Result<_, _>>()
+                    .map_err(errno)?;
+                let m1 = kmem();
+                for h in hs {
+                    c.dereg(h).map_err(errno)?;
+                }
+                emit(
+                    imp,
+                    cost,
+                    "kernel_bytes_per_registration",
+                    &key,
+                    (m1.saturating_sub(m0)) as f64 / live as f64,
+                );
+            }
+        }
+    }
+    // Registrations per second, 1 and 2 threads (64 KiB MRs).
+    for threads in [1usize, 2] {
+        let secs = 2.0;
+        let va = a.va;
+        let total: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(move || {
+                        let c = Core::open().expect("core");
+                        let t = Instant::now();
+                        let mut n = 0u64;
+                        while t.elapsed().as_secs_f64() < secs {
+                            let h = c.reg(va, K64, PMC_REG_INVAL_SUPP).expect("reg");
+                            c.dereg(h).expect("dereg");
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        });
+        emit(
+            imp,
+            cost,
+            "registrations_per_s",
+            &format!("{threads} thread(s)"),
+            total as f64 / secs,
+        );
+    }
+    // Free-to-invalidated latency: munmap returns once the callbacks ran.
+    let mut lat = Vec::new();
+    for _ in 0..10 {
+        let mut b = g.alloc(1, 2 * M).map_err(errno)?;
+        let h = c.reg(b.va, 2 * M, PMC_REG_INVAL_SUPP).map_err(errno)?;
+        let t = Instant::now();
+        b.unmap();
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if c.query(h).map_err(errno)?.revoked != 1 {
+            return Err("free did not invalidate".into());
+        }
+        c.dereg(h).map_err(errno)?;
+        lat.push(us);
+    }
+    emit(imp, cost, "free_to_invalidated_us", "2M", median(&mut lat));
+    // Per-operation cost with many live registrations (all on one 64 KiB
+    // page: pins of one page share its BAR1 mapping).
+    for &n in live_counts {
+        let mut hs = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            hs.push(c.reg(a.va, K64, PMC_REG_INVAL_SUPP).map_err(errno)?);
+        }
+        let mut ops = Vec::new();
+        for _ in 0..100 {
+            let t = Instant::now();
+            let h = c.reg(a.va + K64, K64, PMC_REG_INVAL_SUPP).map_err(errno)?;
+            c.dereg(h).map_err(errno)?;
+            ops.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        emit(
+            imp,
+            cost,
+            "reg_dereg_us_with_live",
+            &n.to_string(),
+            median(&mut ops),
+        );
+        for h in hs {
+            c.dereg(h).map_err(errno)?;
+        }
+    }
+    Ok(())
+}
