@@ -52,6 +52,10 @@ pub(crate) enum Mismatch {
 /// Maps a provider return code to what user space may see: never `ENOTSUPP`
 /// (524, kernel-internal), never a positive or out-of-range value.
 pub(crate) fn provider_error(rc: i32) -> Error {
+    // Not an errno at all (positive, zero, or past MAX_ERRNO): say EIO.
+    if !(-4095..0).contains(&rc) {
+        return EIO;
+    }
     let e = Error::from_errno(rc);
     if e == ENOTSUPP || e == EOPNOTSUPP {
         EOPNOTSUPP

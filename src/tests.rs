@@ -137,8 +137,20 @@ mod coalesce_tests {
     fn run_ending_exactly_at_max_segment() {
         let a = [0, P, 2 * P, 3 * P];
         let mut it = Coalescer::new(&a, P, 2 * P);
-        assert_eq!(it.next(), Some(Segment { addr: 0, len: 2 * P }));
-        assert_eq!(it.next(), Some(Segment { addr: 2 * P, len: 2 * P }));
+        assert_eq!(
+            it.next(),
+            Some(Segment {
+                addr: 0,
+                len: 2 * P
+            })
+        );
+        assert_eq!(
+            it.next(),
+            Some(Segment {
+                addr: 2 * P,
+                len: 2 * P
+            })
+        );
         assert_eq!(it.next(), None);
     }
 
@@ -313,6 +325,118 @@ mod lifecycle_tests {
         assert_eq!(l.put_pages(), Teardown::default());
         assert_eq!(l.release(), Teardown::default());
         assert_eq!(l.invalidate(), Invalidate::Quiet);
+    }
+
+    /// A lifecycle brought to `phase` by legal steps.
+    fn reach(phase: Phase, invalidating: bool) -> Lifecycle {
+        let mut l = Lifecycle::new(invalidating);
+        let steps: &[fn(&mut Lifecycle)] = match phase {
+            Phase::Acquired => &[],
+            Phase::Pinning => &[|l| l.start_pin().unwrap()],
+            Phase::Pinned => &[
+                |l| l.start_pin().unwrap(),
+                |l| {
+                    l.pin_succeeded();
+                },
+            ],
+            Phase::Mapping => &[
+                |l| l.start_pin().unwrap(),
+                |l| {
+                    l.pin_succeeded();
+                },
+                |l| l.start_map().unwrap(),
+            ],
+            Phase::Mapped => &[
+                |l| l.start_pin().unwrap(),
+                |l| {
+                    l.pin_succeeded();
+                },
+                |l| l.start_map().unwrap(),
+                |l| {
+                    l.map_succeeded();
+                },
+            ],
+            Phase::Revoked => &[
+                |l| l.start_pin().unwrap(),
+                |l| {
+                    l.invalidate();
+                },
+            ],
+            Phase::Unpinned => &[
+                |l| l.start_pin().unwrap(),
+                |l| {
+                    l.pin_succeeded();
+                },
+                |l| {
+                    l.release();
+                },
+            ],
+            Phase::Released => &[
+                |l| {
+                    l.release();
+                },
+                |l| l.released(),
+            ],
+        };
+        for s in steps {
+            s(&mut l);
+        }
+        assert_eq!(l.phase(), phase);
+        l
+    }
+
+    const PHASES: [Phase; 8] = [
+        Phase::Acquired,
+        Phase::Pinning,
+        Phase::Pinned,
+        Phase::Mapping,
+        Phase::Mapped,
+        Phase::Revoked,
+        Phase::Unpinned,
+        Phase::Released,
+    ];
+
+    #[test]
+    fn every_phase_against_every_call() {
+        for inv in [false, true] {
+            for p in PHASES {
+                // Pinning starts only from Acquired, mapping only from Pinned.
+                let mut l = reach(p, inv);
+                assert_eq!(l.start_pin().is_ok(), p == Phase::Acquired);
+                let mut l = reach(p, inv);
+                assert_eq!(l.start_map().is_ok(), p == Phase::Pinned);
+                // A refused call leaves the phase alone.
+                if p != Phase::Acquired {
+                    let mut l = reach(p, inv);
+                    let _ = l.start_pin();
+                    assert_eq!(l.phase(), p);
+                }
+                // The provider is unpinned only by release, only from a pinned
+                // phase, and never twice.
+                let mut l = reach(p, inv);
+                let t = l.release();
+                let pinned = matches!(p, Phase::Pinned | Phase::Mapped);
+                assert_eq!(t.unpin_provider, pinned);
+                assert_eq!(l.release(), Teardown::default());
+                // put_pages and dma_unmap never unpin, and are idempotent.
+                let mut l = reach(p, inv);
+                assert!(!l.put_pages().unpin_provider);
+                assert!(!l.unmap().unpin_provider);
+                assert_eq!(l.put_pages(), Teardown::default());
+                // The provider mapping is undone only for persistent pins.
+                let mut l = reach(p, inv);
+                assert_eq!(l.unmap().unmap_provider, p == Phase::Mapped && !inv);
+                // The free callback notifies the core only while pinned.
+                let mut l = reach(p, inv);
+                let notify = matches!(
+                    p,
+                    Phase::Pinning | Phase::Pinned | Phase::Mapping | Phase::Mapped
+                );
+                let notified = l.invalidate() == Invalidate::NotifyCore;
+                assert_eq!(notified, notify);
+                assert!(!l.callback_armed());
+            }
+        }
     }
 
     #[test]

@@ -26,6 +26,7 @@
 #include <linux/debugfs.h>
 #include <linux/delay.h>
 #include <linux/dma-mapping.h>
+#include <linux/hashtable.h>
 #include <linux/miscdevice.h>
 #include <linux/mman.h>
 #include <linux/mm.h>
@@ -117,6 +118,7 @@ struct emu_table {
 	struct nvidia_p2p_page_table pt;
 	u32 flags_v2;
 	struct list_head node;		/* in alloc->tables */
+	struct hlist_node hnode;	/* in live_tables, by address */
 	struct emu_alloc *alloc;
 	u64 first_chunk;		/* BAR page of entry 0 */
 	bool persistent;
@@ -146,8 +148,28 @@ static int ngpus;
 /* The driver's lock: held by every pin/unpin and by frees, across free callbacks. */
 static DEFINE_MUTEX(rm_lock);
 static LIST_HEAD(allocs);
+/* Live page tables by address, like RM's tracker (O(1) lookups at any scale). */
+static DEFINE_HASHTABLE(live_tables, 16);
 
 static atomic64_t st_pins, st_ppins, st_unpins, st_callbacks, st_live_tables, st_live_maps, st_dma_maps;
+static atomic64_t st_bytes;	/* memory of live tables and mappings, as kmalloc rounds it */
+
+static u64 kbytes(size_t n)
+{
+	return n <= 8 ? 8 : roundup_pow_of_two(n);
+}
+
+static u64 table_bytes(u64 n)
+{
+	return kbytes(sizeof(struct emu_table)) + kbytes(n * sizeof(void *)) +
+	       kbytes(n * sizeof(struct nvidia_p2p_page)) + kbytes(NVIDIA_P2P_GPU_UUID_LEN);
+}
+
+static u64 mapping_bytes(u64 n)
+{
+	return kbytes(sizeof(struct emu_mapping)) + kbytes(n * sizeof(u64)) +
+	       kbytes(n * sizeof(struct emu_run));
+}
 
 /* --- fault injection (debugfs) ------------------------------------------ */
 
@@ -259,6 +281,7 @@ static void free_mapping(struct emu_mapping *em)
 
 	for (i = 0; i < em->nruns; i++)
 		dma_unmap_resource(dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+	atomic64_sub(mapping_bytes(em->m.entries), &st_bytes);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
 	kfree(em);
@@ -277,6 +300,7 @@ static void free_table(struct emu_table *t)
 	list_for_each_entry_safe(em, tmp, &doomed, node)
 		free_mapping(em);
 	bar1_put(t->alloc->gpu, t->first_chunk, t->pt.entries);
+	atomic64_sub(table_bytes(t->pt.entries), &st_bytes);
 	kvfree(t->pt.pages);
 	kvfree(t->page_structs);
 	kfree(t->pt.gpu_uuid);
@@ -297,6 +321,7 @@ static void free_alloc(struct emu_alloc *a)
 		if (t->persistent)
 			continue;
 		list_del_init(&t->node);
+		hash_del(&t->hnode);
 		atomic64_inc(&st_callbacks);
 		if (free_delay_ms)
 			msleep(free_delay_ms);
@@ -400,10 +425,12 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 	spin_lock_init(&t->lock);
 	INIT_LIST_HEAD(&t->mappings);
 	list_add_tail(&t->node, &a->tables);
+	hash_add(live_tables, &t->hnode, (unsigned long)&t->pt);
 	if (persistent)
 		a->persistent_pins++;
 	atomic64_inc(persistent ? &st_ppins : &st_pins);
 	atomic64_inc(&st_live_tables);
+	atomic64_add(table_bytes(n), &st_bytes);
 	*ptp = &t->pt;
 	if (!persistent && atomic_add_unless(&race_free_on_pin, -1, 0)) {
 		/* A cudaFree that arrives while this pin is in progress: it
@@ -453,13 +480,11 @@ EXPORT_SYMBOL(nvidia_p2p_get_pages_persistent);
 /* Is @pt a live table? Compares pointers only (like RM's tracker). */
 static struct emu_table *lookup_table(struct nvidia_p2p_page_table *pt, bool persistent)
 {
-	struct emu_alloc *a;
 	struct emu_table *t;
 
-	list_for_each_entry(a, &allocs, node)
-		list_for_each_entry(t, &a->tables, node)
-			if (&t->pt == pt && t->persistent == persistent)
-				return t;
+	hash_for_each_possible(live_tables, t, hnode, (unsigned long)pt)
+		if (&t->pt == pt && t->persistent == persistent)
+			return t;
 	return NULL;
 }
 
@@ -478,6 +503,7 @@ static int put_common(struct nvidia_p2p_page_table *pt, bool persistent)
 	cost(t->pt.entries);
 	a = t->alloc;
 	list_del_init(&t->node);
+	hash_del(&t->hnode);
 	free_table(t);
 	atomic64_inc(&st_unpins);
 	if (persistent && --a->persistent_pins == 0 && a->freed)
@@ -566,6 +592,7 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table 
 	spin_unlock(&t->lock);
 	atomic64_inc(&st_live_maps);
 	atomic64_inc(&st_dma_maps);
+	atomic64_add(mapping_bytes(n), &st_bytes);
 	*dma_mapping = &em->m;
 	return 0;
 
@@ -793,6 +820,7 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	info.live_tables = atomic64_read(&st_live_tables);
 	info.live_mappings = atomic64_read(&st_live_maps);
 	info.dma_maps = atomic64_read(&st_dma_maps);
+	info.provider_bytes = atomic64_read(&st_bytes);
 	return copy_to_user(uarg, &info, sizeof(info)) ? -EFAULT : 0;
 }
 

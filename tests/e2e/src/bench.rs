@@ -22,7 +22,8 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn kmem() -> u64 {
+/// Kernel memory in use (MemTotal - MemFree), in bytes.
+fn mem_used() -> u64 {
     let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let field = |name: &str| {
         s.lines()
@@ -31,8 +32,7 @@ fn kmem() -> u64 {
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
     };
-    // Slab plus vmalloc, in bytes.
-    (field("Slab:") + field("VmallocUsed:")) * 1024
+    (field("MemTotal:") - field("MemFree:")) * 1024
 }
 
 fn emit(imp: &str, cost: &str, metric: &str, key: &str, value: f64) {
@@ -86,22 +86,34 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
             emit(imp, cost, "sg_entries", &key, nmap as f64);
             if cost == "zero" {
                 // Kernel memory per live registration.
+                // Everything the registrations hold, minus the provider's own
+                // page tables and mappings (the same for both clients).
                 let live = reps.min(8);
-                let m0 = kmem();
+                let (m0, p0) = (mem_used(), g.info().provider_bytes);
                 let hs: Vec<u64> = (0..live)
                     .map(|_| c.reg(a.va, size, f))
                     .collect::<Result<_, _>>()
                     .map_err(errno)?;
-                let m1 = kmem();
+                let (m1, p1) = (mem_used(), g.info().provider_bytes);
+                let total = m1.saturating_sub(m0) as f64 / live as f64;
+                let client =
+                    (m1.saturating_sub(m0) as f64 - (p1 - p0) as f64).max(0.0) / live as f64;
+                emit(
+                    imp,
+                    cost,
+                    "kernel_bytes_per_registration_total",
+                    &key,
+                    total,
+                );
                 for h in hs {
                     c.dereg(h).map_err(errno)?;
                 }
                 emit(
                     imp,
                     cost,
-                    "kernel_bytes_per_registration",
+                    "kernel_bytes_per_registration_client",
                     &key,
-                    (m1.saturating_sub(m0)) as f64 / live as f64,
+                    client,
                 );
             }
         }

@@ -1050,6 +1050,8 @@ fn hostile_fuzz(ctx: &mut Ctx) -> Result<String, String> {
                 match ctx.core.reg(addr, len, flags) {
                     Ok(h) => {
                         ok += 1;
+                        // The core reuses freed handle numbers.
+                        dead.retain(|&d| d != h);
                         live.push(h);
                         Ok(())
                     }
@@ -1071,6 +1073,7 @@ fn hostile_fuzz(ctx: &mut Ctx) -> Result<String, String> {
                 };
                 let r = ctx.core.dereg(h);
                 if r.is_ok() {
+                    live.retain(|&l| l != h);
                     dead.push(h);
                 }
                 r
