@@ -64,8 +64,8 @@ check-kdir:
 check-symvers:
 ifneq ($(PEERMEM_SYMVERS),)
 	@for s in ib_register_peer_memory_client ib_unregister_peer_memory_client nvidia_p2p_get_pages; do \
-		cat $(PEERMEM_SYMVERS) 2>/dev/null | grep -q "[[:space:]]$$s[[:space:]]" || \
-		{ echo "error: $$s is in none of PEERMEM_SYMVERS ($(PEERMEM_SYMVERS)): give OFED's (or Ubuntu's) Module.symvers for the peer-memory core and nvidia's for nvidia_p2p_*" >&2; exit 1; }; \
+		cat $(PEERMEM_SYMVERS) $(KDIR)/Module.symvers 2>/dev/null | grep -q "[[:space:]]$$s[[:space:]]" || \
+		{ echo "error: $$s is in none of PEERMEM_SYMVERS ($(PEERMEM_SYMVERS)) nor the kernel's Module.symvers: give OFED's Module.symvers for the peer-memory core (Ubuntu kernels export it themselves) and nvidia's for nvidia_p2p_* (scripts/symvers-from-ko makes one from nvidia.ko)" >&2; exit 1; }; \
 	done
 endif
 

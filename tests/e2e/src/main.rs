@@ -13,6 +13,7 @@ mod demo;
 mod dev;
 mod module;
 mod scenarios;
+mod statcheck;
 mod stress;
 mod uapi;
 
@@ -124,6 +125,11 @@ fn main() {
     match std::env::args().nth(1).as_deref() {
         Some("demo") => std::process::exit(if demo::run() { 0 } else { 1 }),
         Some("child-hold") => stress::child_hold(),
+        Some("stat-check") => {
+            // stat-check <path-to-peermem-stat>
+            let a: Vec<String> = std::env::args().skip(2).collect();
+            std::process::exit(statcheck::main(&a));
+        }
         Some("bench") => {
             // bench <impl> <cost> <live counts, comma-separated>
             let a: Vec<String> = std::env::args().skip(2).collect();

@@ -630,8 +630,7 @@ fn free_under_mr(ctx: &mut Ctx, free: fn(&Gpu, &mut Alloc)) -> Result<String, St
         .map_err(errno_name)?;
     free(ctx.gpu(), &mut a);
     let q = ctx.core.query(h).map_err(errno_name)?;
-    let detail;
-    if ctx.mode.invalidating() {
+    let detail = if ctx.mode.invalidating() {
         let want = if ctx.mode == Mode::Legacy {
             PMC_STATE_UNMAPPED
         } else {
@@ -661,7 +660,7 @@ fn free_under_mr(ctx: &mut Ctx, free: fn(&Gpu, &mut Alloc)) -> Result<String, St
             );
             ensure!(stat("pinned_bytes") == 0, "pinned bytes after the revoke");
         }
-        detail = "MR invalidated, DMA refused";
+        "MR invalidated, DMA refused"
     } else {
         ensure!(
             q.state == PMC_STATE_MAPPED && q.revoked == 0,
@@ -677,8 +676,8 @@ fn free_under_mr(ctx: &mut Ctx, free: fn(&Gpu, &mut Alloc)) -> Result<String, St
             ctx.gpu().info().live_allocs >= 1,
             "freed memory already returned while pinned"
         );
-        detail = "memory kept until deregistration";
-    }
+        "memory kept until deregistration"
+    };
     ctx.core.dereg(h).map_err(errno_name)?;
     a.unmap();
     Ok(detail.into())
@@ -810,7 +809,7 @@ fn concurrent(ctx: &mut Ctx) -> Result<String, String> {
                 s.spawn(move || -> Result<u32, String> {
                     let g = Gpu::open()?;
                     let c = Core::open()?;
-                    let mut x = base_seed ^ (t as u64 + 1) * 0x1234_5678_9abc;
+                    let mut x = base_seed ^ ((t as u64 + 1) * 0x1234_5678_9abc);
                     let mut invalidated = 0;
                     for i in 0..iters {
                         x ^= x << 13;

@@ -90,7 +90,7 @@ mod tests {
             }
             assert!(phase_ok);
             l.invalidate();
-            assert_eq!(l.put_pages().unpin_provider, false);
+            assert!(!l.put_pages().unpin_provider);
             let t = l.release();
             assert!(!t.unpin_provider && !t.unmap_provider);
             assert!(!l.unpinned());

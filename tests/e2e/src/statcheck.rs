@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `peermem-e2e stat-check <peermem-stat>`: the operator tool against the live
+//! module. Assumes nvidia_peermem, the emulated GPU driver and core are loaded
+//! and debugfs is mounted. Prints `STAT-CHECK PASS` or `STAT-CHECK FAIL: why`.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::{
+    dev::{Core, Gpu},
+    uapi::PMC_REG_INVAL_SUPP,
+};
+
+const K64: u64 = 64 << 10;
+const MRS: u64 = 3;
+
+macro_rules! ensure {
+    ($c:expr, $($fmt:tt)*) => {
+        if !$c {
+            return Err(format!($($fmt)*));
+        }
+    };
+}
+
+/// Runs the check with the arguments after `stat-check`; the exit status.
+pub fn main(args: &[String]) -> i32 {
+    let r = match args {
+        [stat] => check(stat),
+        _ => Err("usage: peermem-e2e stat-check <path-to-peermem-stat>".into()),
+    };
+    match r {
+        Ok(detail) => {
+            println!("stat-check: {detail}");
+            println!("STAT-CHECK PASS");
+            0
+        }
+        Err(e) => {
+            println!("STAT-CHECK FAIL: {e}");
+            1
+        }
+    }
+}
+
+/// Runs peermem-stat with `args`; its stdout (exit status 0 required).
+fn run(stat: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(stat)
+        .args(args)
+        .output()
+        .map_err(|e| format!("run {stat}: {e}"))?;
+    ensure!(
+        out.status.success(),
+        "peermem-stat {args:?}: {} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    String::from_utf8(out.stdout).map_err(|e| format!("peermem-stat {args:?}: {e}"))
+}
+
+fn parse(line: &str) -> Result<Value, String> {
+    serde_json::from_str(line).map_err(|e| format!("bad JSON ({e}): {line}"))
+}
+
+/// One frame of `peermem-stat --json`.
+fn snapshot(stat: &str) -> Result<Value, String> {
+    let out = run(stat, &["--json"])?;
+    ensure!(out.lines().count() == 1, "--json printed {out:?}");
+    parse(out.trim_end())
+}
+
+/// The counter at JSON pointer `at` (e.g. "/stats/registrations").
+fn num(v: &Value, at: &str) -> Result<u64, String> {
+    v.pointer(at)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| format!("{at} missing or not a number: {:?}", v.pointer(at)))
+}
+
+/// `at` in `now` minus `at` in `base`, as a signed difference.
+fn delta(base: &Value, now: &Value, at: &str) -> Result<i128, String> {
+    Ok(num(now, at)? as i128 - num(base, at)? as i128)
+}
+
+fn expect_delta(base: &Value, now: &Value, at: &str, want: i128, when: &str) -> Result<(), String> {
+    let d = delta(base, now, at)?;
+    ensure!(d == want, "{when}: {at} changed by {d}, expected {want}");
+    Ok(())
+}
+
+fn check(stat: &str) -> Result<String, String> {
+    let base = snapshot(stat)?;
+
+    // The module as the tool sees it.
+    let version = std::fs::read_to_string("/sys/module/nvidia_peermem/version")
+        .map_err(|e| format!("/sys/module/nvidia_peermem/version: {e}"))?;
+    ensure!(
+        base["module"]["loaded"] == true,
+        "module.loaded: {}",
+        base["module"]["loaded"]
+    );
+    ensure!(
+        base["module"]["implementation"] == "peermem-rs",
+        "module.implementation: {} (stats_error {})",
+        base["module"]["implementation"],
+        base["stats_error"]
+    );
+    ensure!(
+        base["module"]["version"] == version.trim(),
+        "module.version {} != {:?}",
+        base["module"]["version"],
+        version.trim()
+    );
+    let nccl = base["detection"]
+        .as_array()
+        .and_then(|d| d.iter().find(|s| s["stack"] == "NCCL"))
+        .ok_or("no NCCL in detection")?;
+    ensure!(
+        nccl["enabled"] == true && nccl["path"].is_string(),
+        "NCCL detection: {nccl}"
+    );
+    // Persistent pins ignore frees: no invalidation then. The invalidating
+    // configuration also registers nv_mem_nc; the persistent one does not.
+    let persistent = match base["module"]["parameters"]["persistent_api_support"].as_str() {
+        Some(p) => p.trim() == "1",
+        None => base["peers"]["nv_mem_nc"].is_null(),
+    };
+
+    // Three MRs of 64 KiB, each on its own allocation.
+    let gpu = Gpu::open()?;
+    let core = Core::open()?;
+    let mut allocs = Vec::new();
+    let mut handles = Vec::new();
+    for _ in 0..MRS {
+        let a = gpu
+            .alloc(0, K64)
+            .map_err(|e| format!("GPU alloc: errno {e}"))?;
+        handles.push(
+            core.reg(a.va, K64, PMC_REG_INVAL_SUPP)
+                .map_err(|e| format!("reg: errno {e}"))?,
+        );
+        allocs.push(a);
+    }
+    let reg = snapshot(stat)?;
+    let when = "after 3 registrations";
+    expect_delta(&base, &reg, "/stats/live_registrations", 3, when)?;
+    expect_delta(&base, &reg, "/stats/registrations", 3, when)?;
+    expect_delta(&base, &reg, "/peers/nv_mem/live_mrs", 3, when)?;
+    expect_delta(
+        &base,
+        &reg,
+        "/peers/nv_mem/live_bytes",
+        3 * K64 as i128,
+        when,
+    )?;
+    let pinned = delta(&base, &reg, "/stats/pinned_bytes")?;
+    ensure!(
+        pinned >= 3 * K64 as i128,
+        "{when}: pinned_bytes grew by {pinned}"
+    );
+
+    // cudaFree (munmap) under the first MR.
+    allocs[0].unmap();
+    let freed = snapshot(stat)?;
+    let want = if persistent { 0 } else { 1 };
+    expect_delta(
+        &base,
+        &freed,
+        "/stats/invalidations",
+        want,
+        "after the free",
+    )?;
+
+    for h in handles {
+        core.dereg(h).map_err(|e| format!("dereg: errno {e}"))?;
+    }
+    drop(allocs);
+    let done = snapshot(stat)?;
+    let when = "after deregistration";
+    expect_delta(&base, &done, "/stats/live_registrations", 0, when)?;
+    expect_delta(&base, &done, "/peers/nv_mem/live_mrs", 0, when)?;
+    expect_delta(&base, &done, "/peers/nv_mem/live_bytes", 0, when)?;
+    expect_delta(&base, &done, "/stats/registrations", 3, when)?;
+
+    // Watch: two frames, human and JSON.
+    let out = run(stat, &["--watch", "0.2", "--count", "2"])?;
+    let frames = out.lines().filter(|l| l.starts_with("--- frame ")).count();
+    ensure!(
+        frames == 2,
+        "--watch 0.2 --count 2 printed {frames} frames:\n{out}"
+    );
+    let out = run(stat, &["--json", "--watch", "0.2", "--count", "2"])?;
+    let lines: Vec<&str> = out.lines().collect();
+    ensure!(
+        lines.len() == 2,
+        "--json --watch printed {} lines",
+        lines.len()
+    );
+    let second = parse(lines[1])?;
+    parse(lines[0])?;
+    ensure!(
+        second["rates"]["interval_s"].is_number(),
+        "no rates in the second JSON frame: {}",
+        second["rates"]
+    );
+
+    Ok(format!(
+        "version {}, NCCL via {}, {} invalidation(s) on free{}",
+        version.trim(),
+        nccl["path"],
+        want,
+        if persistent { " (persistent mode)" } else { "" }
+    ))
+}

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! peermem-stat: what nvidia_peermem and the RDMA core's peer-memory clients
+//! are doing, and which GPUDirect RDMA detection paths user space will see.
+
+#![forbid(unsafe_code)]
+
+pub mod args;
+pub mod detect;
+pub mod json;
+pub mod render;
+pub mod sysfs;
+
+use std::{
+    io::{self, Write},
+    time::Instant,
+};
+
+use args::{Cmd, Opts};
+use render::Rates;
+use sysfs::{Snapshot, Sys};
+
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_USAGE: i32 = 1;
+pub const EXIT_NOTHING: i32 = 2;
+
+/// Runs the tool with `args` (without the program name); returns the exit
+/// status. `tty`: stdout is a terminal (watch frames then clear the screen).
+pub fn run<I: IntoIterator<Item = String>>(
+    args: I,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    tty: bool,
+) -> i32 {
+    let opts = match args::parse(args) {
+        Ok(Cmd::Run(o)) => o,
+        Ok(Cmd::Help) => return finish(out.write_all(args::HELP.as_bytes()), err),
+        Ok(Cmd::Version) => {
+            let v = format!("peermem-stat {}\n", env!("CARGO_PKG_VERSION"));
+            return finish(out.write_all(v.as_bytes()), err);
+        }
+        Err(e) => {
+            let _ = writeln!(err, "peermem-stat: {e}\nTry 'peermem-stat --help'.");
+            return EXIT_USAGE;
+        }
+    };
+    match frames(&opts, out, tty) {
+        Ok(true) => EXIT_OK,
+        Ok(false) => {
+            let _ = writeln!(
+                err,
+                "peermem-stat: nothing found: nvidia_peermem is not loaded (no {}) and no \
+                 peer-memory client is registered with the RDMA core (no {}/*).",
+                sysfs::MODULE_DIR,
+                sysfs::PEERS_DIR
+            );
+            EXIT_NOTHING
+        }
+        Err(e) => finish(Err(e), err),
+    }
+}
+
+/// Exit status after writing output: a closed pipe (`| head`) is no error.
+fn finish(r: io::Result<()>, err: &mut dyn Write) -> i32 {
+    match r {
+        Ok(()) => EXIT_OK,
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => EXIT_OK,
+        Err(e) => {
+            let _ = writeln!(err, "peermem-stat: writing output: {e}");
+            EXIT_USAGE
+        }
+    }
+}
+
+/// Shows one frame, or frames every `--watch` interval; returns whether the
+/// last frame found anything.
+fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
+    let sys = Sys::new(&o.root);
+    let start = Instant::now();
+    let mut prev: Option<(Snapshot, Instant)> = None;
+    let mut n = 0u64;
+    loop {
+        n += 1;
+        let now = Instant::now();
+        let snap = Snapshot::read(&sys);
+        let rates = prev
+            .as_ref()
+            .map(|(p, t)| Rates::between(p, &snap, now.duration_since(*t).as_secs_f64()));
+        if o.json {
+            writeln!(out, "{}", render::json(&snap, rates.as_ref()))?;
+        } else {
+            if o.watch.is_some() {
+                if tty {
+                    // Home the cursor and clear the screen.
+                    write!(out, "\x1b[H\x1b[2J")?;
+                }
+                writeln!(
+                    out,
+                    "--- frame {n} (+{:.2} s) ---",
+                    now.duration_since(start).as_secs_f64()
+                )?;
+            }
+            write!(out, "{}", render::table(&snap, o.all, rates.as_ref()))?;
+            if o.watch.is_some() {
+                writeln!(out)?;
+            }
+        }
+        out.flush()?;
+        let found = snap.found();
+        let Some(every) = o.watch else {
+            return Ok(found);
+        };
+        if o.count.is_some_and(|c| n >= c) {
+            return Ok(found);
+        }
+        std::thread::sleep(every);
+        prev = Some((snap, now));
+    }
+}

@@ -1,0 +1,360 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! A [`Snapshot`] as a human table or as JSON.
+
+use std::fmt::Write;
+
+use crate::{
+    detect::{self, RULES},
+    json::Json,
+    sysfs::{Field, Snapshot, MODULE_DIR, PEERS_DIR, STATS},
+};
+
+/// The module's counters the table explains (any other name is shown as is).
+const KNOWN: &[(&str, &str)] = &[
+    (
+        "live_registrations",
+        "registrations acquired, not yet released",
+    ),
+    ("pinned_bytes", "GPU bytes pinned now"),
+    ("acquired", "ranges claimed as GPU memory"),
+    ("declined", "ranges declined (not GPU memory)"),
+    (
+        "registrations",
+        "registrations that reached the mapped state",
+    ),
+    ("releases", "registrations released"),
+    ("invalidations", "free callbacks from the GPU driver"),
+    ("core_invalidations", "calls of the core's invalidate hook"),
+    ("sg_entries", "scatterlist entries handed out"),
+    ("fail_bad_range", "empty or overflowing range"),
+    ("fail_pin", "GPU driver refused to pin"),
+    ("fail_page_table", "unknown page table version or page size"),
+    ("fail_not_pci", "DMA device is not PCI"),
+    ("fail_dma_map", "GPU driver refused to DMA-map"),
+    (
+        "fail_dma_mapping",
+        "unknown DMA mapping version or page size",
+    ),
+    ("fail_no_memory", "out of memory"),
+    ("fail_revoked", "GPU memory freed during registration"),
+    ("fail_unpin", "GPU driver failed to unpin or unmap"),
+    ("fail_order", "core called out of order"),
+];
+
+/// memory_peers files shown as columns, with their headers.
+const PEER_COLUMNS: &[(&str, &str)] = &[
+    ("num_alloc_mrs", "alloc_mrs"),
+    ("num_dealloc_mrs", "dealloc_mrs"),
+    ("num_reg_pages", "reg_pages"),
+    ("num_dereg_pages", "dereg_pages"),
+    ("num_reg_bytes", "reg_bytes"),
+    ("num_dereg_bytes", "dereg_bytes"),
+    ("num_free_callbacks", "free_cbs"),
+];
+
+/// Counter changes between two frames.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rates {
+    pub interval_s: f64,
+    /// None: unknown, or the counter went backwards (module reloaded).
+    pub registrations: Option<u64>,
+    pub invalidations: Option<u64>,
+}
+
+impl Rates {
+    pub fn between(prev: &Snapshot, cur: &Snapshot, interval_s: f64) -> Self {
+        let delta = |n: &str| cur.stat(n)?.checked_sub(prev.stat(n)?);
+        Self {
+            interval_s,
+            registrations: delta("registrations"),
+            invalidations: delta("invalidations"),
+        }
+    }
+
+    pub fn per_s(&self, delta: Option<u64>) -> Option<f64> {
+        if self.interval_s > 0.0 {
+            Some(delta? as f64 / self.interval_s)
+        } else {
+            None
+        }
+    }
+
+    fn json(&self) -> Json {
+        let n = |d: Option<u64>| Json::opt(d, Json::Num);
+        let r = |d: Option<u64>| Json::opt(self.per_s(d), Json::Float);
+        Json::obj([
+            ("interval_s", Json::Float(self.interval_s)),
+            ("registrations", n(self.registrations)),
+            ("invalidations", n(self.invalidations)),
+            ("registrations_per_s", r(self.registrations)),
+            ("invalidations_per_s", r(self.invalidations)),
+        ])
+    }
+}
+
+/// A field's value, or ERR (the reason is listed under "Unreadable fields").
+fn show<T: ToString>(f: &Field<T>) -> String {
+    match f {
+        Ok(v) => v.to_string(),
+        Err(_) => "ERR".into(),
+    }
+}
+
+/// An optional file's value, or "-" when the file does not exist.
+fn field_str<T: ToString>(f: &Option<Field<T>>) -> String {
+    f.as_ref().map_or_else(|| "-".into(), show)
+}
+
+/// The human table of one frame.
+pub fn table(s: &Snapshot, all: bool, rates: Option<&Rates>) -> String {
+    let mut o = String::new();
+    // Writing into a String cannot fail.
+    let _ = write_table(&mut o, s, all, rates);
+    o
+}
+
+fn write_table(o: &mut String, s: &Snapshot, all: bool, rates: Option<&Rates>) -> std::fmt::Result {
+    let m = &s.module;
+    if m.loaded {
+        write!(
+            o,
+            "nvidia_peermem: loaded, version {}, refcnt {}",
+            field_str(&m.version),
+            field_str(&m.refcnt)
+        )?;
+        match s.implementation {
+            Some(i) => writeln!(o, ", implementation {i}")?,
+            None => writeln!(o)?,
+        }
+        if !m.parameters.is_empty() {
+            let p: Vec<String> = m
+                .parameters
+                .iter()
+                .map(|(n, v)| format!("{n}={}", show(v)))
+                .collect();
+            writeln!(o, "  parameters: {}", p.join(" "))?;
+        }
+    } else {
+        writeln!(o, "nvidia_peermem: not loaded (no {MODULE_DIR})")?;
+    }
+
+    writeln!(o)?;
+    match &s.stats {
+        Ok(stats) => {
+            writeln!(o, "Counters ({STATS})")?;
+            let mut hidden = 0;
+            for (name, v) in stats {
+                if !all && name.starts_with("fail_") && matches!(v, Ok(0)) {
+                    hidden += 1;
+                    continue;
+                }
+                let value = show(v);
+                let what = KNOWN.iter().find(|(k, _)| k == name).map_or("", |(_, w)| w);
+                writeln!(o, "  {name:<20} {value:>16}  {what}")?;
+            }
+            if hidden > 0 {
+                writeln!(
+                    o,
+                    "  ({hidden} zero failure counters hidden; --all shows them)"
+                )?;
+            }
+        }
+        Err(why) => writeln!(o, "Counters: unavailable: {why}")?,
+    }
+    if let Some(r) = rates {
+        let rate = |d: Option<u64>| match r.per_s(d) {
+            Some(x) => format!("{x:.1}/s"),
+            None => "n/a".into(),
+        };
+        writeln!(
+            o,
+            "  rates over {:.2} s: registrations {}, invalidations {}",
+            r.interval_s,
+            rate(r.registrations),
+            rate(r.invalidations)
+        )?;
+    }
+
+    writeln!(o)?;
+    if s.peers.is_empty() {
+        match &s.peers_error {
+            Some(e) => writeln!(o, "Peer-memory clients: cannot read {PEERS_DIR}: {e}")?,
+            None => writeln!(o, "Peer-memory clients: none (no {PEERS_DIR}/*)")?,
+        }
+    } else {
+        writeln!(o, "Peer-memory clients ({PEERS_DIR})")?;
+        let mut head = format!(
+            "  {:<10} {:<10} {:>8} {:>14}",
+            "client", "version", "live_mrs", "live_bytes"
+        );
+        for (_, h) in PEER_COLUMNS {
+            let _ = write!(head, " {h:>12}");
+        }
+        writeln!(o, "{head}")?;
+        for p in &s.peers {
+            let opt = |v: Option<u64>| v.map_or("-".to_string(), |n| n.to_string());
+            write!(
+                o,
+                "  {:<10} {:<10} {:>8} {:>14}",
+                p.name,
+                field_str(&p.version),
+                opt(p.live_mrs()),
+                opt(p.live_bytes())
+            )?;
+            for (file, _) in PEER_COLUMNS {
+                let v = p.counters.iter().find(|(n, _)| n == file);
+                write!(o, " {:>12}", v.map_or_else(|| "-".into(), |(_, v)| show(v)))?;
+            }
+            let extra: Vec<String> = p
+                .counters
+                .iter()
+                .filter(|(n, _)| !PEER_COLUMNS.iter().any(|(c, _)| c == n))
+                .map(|(n, v)| format!("{n}={}", show(v)))
+                .collect();
+            if !extra.is_empty() {
+                write!(o, "  {}", extra.join(" "))?;
+            }
+            writeln!(o)?;
+        }
+    }
+
+    writeln!(o)?;
+    writeln!(o, "Detection (GPUDirect RDMA over IB verbs)")?;
+    for d in &s.detection {
+        match d.matched {
+            Some(r) => writeln!(o, "  {:<9} YES  {}  ({})", d.stack, r.path, r.meaning)?,
+            None => {
+                let checked: Vec<&str> = RULES
+                    .iter()
+                    .filter(|r| r.stack == d.stack)
+                    .map(|r| r.path)
+                    .collect();
+                writeln!(o, "  {:<9} NO   (none of {})", d.stack, checked.join(", "))?;
+            }
+        }
+    }
+    let b = &s.dmabuf;
+    let ok = |v: Option<bool>| match v {
+        Some(true) => "ok",
+        Some(false) => "too old",
+        None => "unknown",
+    };
+    if b.nvidia_loaded {
+        writeln!(
+            o,
+            "  dma-buf   nvidia loaded, version {} ({}), kernel {} ({})",
+            field_str(&b.nvidia_version),
+            ok(b.driver_ok),
+            field_str(&b.kernel),
+            ok(b.kernel_ok)
+        )?;
+    } else {
+        writeln!(
+            o,
+            "  dma-buf   nvidia not loaded (no {}), kernel {} ({})",
+            detect::DMABUF.module,
+            field_str(&b.kernel),
+            ok(b.kernel_ok)
+        )?;
+    }
+    writeln!(o, "            {} (informational)", detect::DMABUF.note)?;
+
+    let errors = s.errors();
+    if !errors.is_empty() {
+        writeln!(o)?;
+        writeln!(o, "Unreadable fields")?;
+        for e in errors {
+            writeln!(o, "  {e}")?;
+        }
+    }
+    Ok(())
+}
+
+/// A text field, null when absent or unreadable (see "errors").
+fn text(f: Option<&Field<String>>) -> Json {
+    match f {
+        Some(Ok(s)) => Json::str(s.as_str()),
+        _ => Json::Null,
+    }
+}
+
+/// A counter, null when absent or unreadable (see "errors").
+fn num(f: Option<&Field<u64>>) -> Json {
+    match f {
+        Some(Ok(n)) => Json::Num(*n),
+        _ => Json::Null,
+    }
+}
+
+/// One frame as a JSON object (keys always present, in this order).
+pub fn json(s: &Snapshot, rates: Option<&Rates>) -> Json {
+    let m = &s.module;
+    let module = Json::obj([
+        ("loaded", Json::Bool(m.loaded)),
+        ("version", text(m.version.as_ref())),
+        ("implementation", Json::opt(s.implementation, Json::str)),
+        (
+            "parameters",
+            Json::obj(
+                m.parameters
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), text(Some(v)))),
+            ),
+        ),
+        ("refcnt", num(m.refcnt.as_ref())),
+    ]);
+    let (stats, stats_error) = match &s.stats {
+        Ok(v) => (
+            Json::obj(v.iter().map(|(n, v)| (n.as_str(), num(Some(v))))),
+            Json::Null,
+        ),
+        Err(e) => (Json::Null, Json::str(e.as_str())),
+    };
+    let peers = Json::obj(s.peers.iter().map(|p| {
+        let mut fields = vec![("version".to_string(), text(p.version.as_ref()))];
+        for (n, v) in &p.counters {
+            if !matches!(n.as_str(), "version" | "live_mrs" | "live_bytes") {
+                fields.push((n.clone(), num(Some(v))));
+            }
+        }
+        fields.push(("live_mrs".into(), Json::opt(p.live_mrs(), Json::Num)));
+        fields.push(("live_bytes".into(), Json::opt(p.live_bytes(), Json::Num)));
+        (p.name.as_str(), Json::Obj(fields))
+    }));
+    let detection = Json::Arr(
+        s.detection
+            .iter()
+            .map(|d| {
+                Json::obj([
+                    ("stack", Json::str(d.stack)),
+                    ("enabled", Json::Bool(d.matched.is_some())),
+                    ("path", Json::opt(d.matched, |r| Json::str(r.path))),
+                    ("meaning", Json::opt(d.matched, |r| Json::str(r.meaning))),
+                ])
+            })
+            .collect(),
+    );
+    let b = &s.dmabuf;
+    let dmabuf = Json::obj([
+        ("nvidia_loaded", Json::Bool(b.nvidia_loaded)),
+        ("nvidia_version", text(b.nvidia_version.as_ref())),
+        ("kernel", text(b.kernel.as_ref())),
+        ("driver_ok", Json::opt(b.driver_ok, Json::Bool)),
+        ("kernel_ok", Json::opt(b.kernel_ok, Json::Bool)),
+        ("note", Json::str(detect::DMABUF.note)),
+    ]);
+    Json::obj([
+        ("module", module),
+        ("stats", stats),
+        ("stats_error", stats_error),
+        ("peers", peers),
+        ("detection", detection),
+        ("dmabuf", dmabuf),
+        ("rates", Json::opt(rates, Rates::json)),
+        (
+            "errors",
+            Json::Arr(s.errors().into_iter().map(Json::Str).collect()),
+        ),
+    ])
+}

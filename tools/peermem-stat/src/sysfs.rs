@@ -1,0 +1,446 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Reading sysfs, debugfs and procfs under a root prefix into a [`Snapshot`].
+//! Nothing here panics on what it reads: a bad file becomes an error for its
+//! field only.
+
+use std::{
+    fs,
+    io::{self, Read},
+    path::{Path, PathBuf},
+};
+
+use crate::detect::{self, RULES};
+
+pub const MODULE_DIR: &str = "/sys/module/nvidia_peermem";
+pub const DEBUGFS: &str = "/sys/kernel/debug";
+pub const STATS: &str = "/sys/kernel/debug/nvidia_peermem/stats";
+pub const PEERS_DIR: &str = "/sys/kernel/mm/memory_peers";
+pub const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
+
+/// A value read from one file; the error says what was wrong with it.
+pub type Field<T> = Result<T, String>;
+
+/// Named counters, in file order.
+pub type Counters = Vec<(String, Field<u64>)>;
+
+/// Files are small; a larger one is cut here rather than read whole.
+const MAX_FILE: u64 = 1 << 20;
+
+/// The file system under a root prefix.
+pub struct Sys {
+    root: PathBuf,
+}
+
+impl Sys {
+    pub fn new(root: &Path) -> Self {
+        Self {
+            root: root.to_path_buf(),
+        }
+    }
+
+    /// `abs` (an absolute path of the live system) under the root.
+    pub fn path(&self, abs: &str) -> PathBuf {
+        self.root.join(abs.trim_start_matches('/'))
+    }
+
+    pub fn exists(&self, abs: &str) -> bool {
+        self.path(abs).exists()
+    }
+
+    fn read(path: &Path) -> io::Result<String> {
+        let mut buf = Vec::new();
+        fs::File::open(path)?.take(MAX_FILE).read_to_end(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// Trimmed text of a file; None when it does not exist.
+    fn text_at(path: &Path) -> Option<Field<String>> {
+        match Self::read(path) {
+            Ok(s) => Some(Ok(s.trim().to_string())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => Some(Err(e.to_string())),
+        }
+    }
+
+    /// A decimal u64 file; None when it does not exist.
+    fn num_at(path: &Path) -> Option<Field<u64>> {
+        Self::text_at(path).map(|t| t.and_then(|s| parse_u64(&s)))
+    }
+
+    pub fn text(&self, abs: &str) -> Option<Field<String>> {
+        Self::text_at(&self.path(abs))
+    }
+
+    pub fn num(&self, abs: &str) -> Option<Field<u64>> {
+        Self::num_at(&self.path(abs))
+    }
+
+    /// Sorted (name, is_dir) of a directory's entries.
+    fn list(&self, abs: &str) -> io::Result<Vec<(String, bool)>> {
+        let mut v = Vec::new();
+        for e in fs::read_dir(self.path(abs))? {
+            let e = e?;
+            let is_dir = e.path().is_dir();
+            v.push((e.file_name().to_string_lossy().into_owned(), is_dir));
+        }
+        v.sort();
+        Ok(v)
+    }
+}
+
+/// Parses a decimal counter.
+pub fn parse_u64(s: &str) -> Field<u64> {
+    s.trim().parse::<u64>().map_err(|_| {
+        let shown: String = s.chars().take(40).collect();
+        format!("not a number: {shown:?}")
+    })
+}
+
+/// `name value` lines, in file order. A line that is not `name u64` is kept
+/// as an error under its first word; empty lines are skipped; a repeated
+/// name keeps its first value.
+pub fn parse_stats(text: &str) -> Counters {
+    let mut out = Counters::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(name) = words.next() else {
+            continue;
+        };
+        if out.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        let value = match (words.next(), words.next()) {
+            (Some(v), None) => parse_u64(v),
+            (None, _) => Err("no value".to_string()),
+            (Some(_), Some(_)) => Err(format!("malformed line {:?}", line.trim())),
+        };
+        out.push((name.to_string(), value));
+    }
+    out
+}
+
+/// /sys/module/nvidia_peermem.
+#[derive(Debug, Default)]
+pub struct Module {
+    pub loaded: bool,
+    pub version: Option<Field<String>>,
+    /// Sorted by name.
+    pub parameters: Vec<(String, Field<String>)>,
+    pub refcnt: Option<Field<u64>>,
+}
+
+/// One peer-memory client of the RDMA core (memory_peers/<name>/).
+#[derive(Debug)]
+pub struct Peer {
+    pub name: String,
+    pub version: Option<Field<String>>,
+    /// Every other file, sorted by name.
+    pub counters: Counters,
+}
+
+impl Peer {
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.counters
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_ref().ok().copied())
+    }
+
+    fn live(&self, up: &str, down: &str) -> Option<u64> {
+        // The files are read one after the other: a deallocation between
+        // the two reads must not make "live" negative.
+        Some(self.get(up)?.saturating_sub(self.get(down)?))
+    }
+
+    /// MRs allocated and not yet deallocated.
+    pub fn live_mrs(&self) -> Option<u64> {
+        self.live("num_alloc_mrs", "num_dealloc_mrs")
+    }
+
+    /// Bytes registered and not yet deregistered.
+    pub fn live_bytes(&self) -> Option<u64> {
+        self.live("num_reg_bytes", "num_dereg_bytes")
+    }
+}
+
+/// The outcome of one detection stack.
+#[derive(Debug)]
+pub struct Detection {
+    pub stack: &'static str,
+    /// The first rule whose path exists.
+    pub matched: Option<&'static detect::Rule>,
+}
+
+/// The dma-buf alternative.
+#[derive(Debug)]
+pub struct DmaBuf {
+    pub nvidia_loaded: bool,
+    pub nvidia_version: Option<Field<String>>,
+    pub kernel: Option<Field<String>>,
+    /// The driver's major version is new enough (None: unknown).
+    pub driver_ok: Option<bool>,
+    /// The kernel is new enough (None: unknown).
+    pub kernel_ok: Option<bool>,
+}
+
+/// Everything one frame shows.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub module: Module,
+    /// The module's debugfs counters, or why they are not shown.
+    pub stats: Result<Counters, String>,
+    /// "peermem-rs" (our stats present), "other" (module loaded, debugfs
+    /// readable, no stats), None (not loaded or cannot tell).
+    pub implementation: Option<&'static str>,
+    pub peers: Vec<Peer>,
+    /// memory_peers exists but could not be listed.
+    pub peers_error: Option<String>,
+    pub detection: Vec<Detection>,
+    pub dmabuf: DmaBuf,
+}
+
+impl Snapshot {
+    pub fn read(sys: &Sys) -> Self {
+        let module = read_module(sys);
+        let (stats, implementation) = read_stats(sys, &module);
+        let (peers, peers_error) = read_peers(sys);
+        let detection = detect::stacks()
+            .into_iter()
+            .map(|stack| Detection {
+                stack,
+                matched: RULES
+                    .iter()
+                    .find(|r| r.stack == stack && sys.exists(r.path)),
+            })
+            .collect();
+        Self {
+            module,
+            stats,
+            implementation,
+            peers,
+            peers_error,
+            detection,
+            dmabuf: read_dmabuf(sys),
+        }
+    }
+
+    /// Whether anything at all was found.
+    pub fn found(&self) -> bool {
+        self.module.loaded || !self.peers.is_empty()
+    }
+
+    /// One of the module's counters, if shown and valid.
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        let stats = self.stats.as_ref().ok()?;
+        stats
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_ref().ok().copied())
+    }
+
+    /// Every field that could not be read, as "where: why".
+    pub fn errors(&self) -> Vec<String> {
+        fn add<T>(out: &mut Vec<String>, at: String, f: &Option<Field<T>>) {
+            if let Some(Err(e)) = f {
+                out.push(format!("{at}: {e}"));
+            }
+        }
+        let mut out = Vec::new();
+        let m = &self.module;
+        add(&mut out, format!("{MODULE_DIR}/version"), &m.version);
+        add(&mut out, format!("{MODULE_DIR}/refcnt"), &m.refcnt);
+        for (n, v) in &m.parameters {
+            add(
+                &mut out,
+                format!("{MODULE_DIR}/parameters/{n}"),
+                &Some(v.clone()),
+            );
+        }
+        if let Ok(stats) = &self.stats {
+            for (n, v) in stats {
+                if let Err(e) = v {
+                    out.push(format!("{STATS}: {n}: {e}"));
+                }
+            }
+        }
+        if let Some(e) = &self.peers_error {
+            out.push(format!("{PEERS_DIR}: {e}"));
+        }
+        for p in &self.peers {
+            add(
+                &mut out,
+                format!("{PEERS_DIR}/{}/version", p.name),
+                &p.version,
+            );
+            for (n, v) in &p.counters {
+                if let Err(e) = v {
+                    out.push(format!("{PEERS_DIR}/{}/{n}: {e}", p.name));
+                }
+            }
+        }
+        add(
+            &mut out,
+            format!("{}/version", detect::DMABUF.module),
+            &self.dmabuf.nvidia_version,
+        );
+        add(&mut out, OSRELEASE.to_string(), &self.dmabuf.kernel);
+        out
+    }
+}
+
+fn read_module(sys: &Sys) -> Module {
+    if !sys.path(MODULE_DIR).is_dir() {
+        return Module::default();
+    }
+    let parameters = match sys.list(&format!("{MODULE_DIR}/parameters")) {
+        Ok(names) => names
+            .into_iter()
+            .filter(|(_, is_dir)| !is_dir)
+            .map(|(n, _)| {
+                let v = sys
+                    .text(&format!("{MODULE_DIR}/parameters/{n}"))
+                    .unwrap_or_else(|| Err("vanished".into()));
+                (n, v)
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    Module {
+        loaded: true,
+        version: sys.text(&format!("{MODULE_DIR}/version")),
+        parameters,
+        refcnt: sys.num(&format!("{MODULE_DIR}/refcnt")),
+    }
+}
+
+const HINT: &str = "mount -t debugfs none /sys/kernel/debug (needs root)";
+
+fn read_stats(sys: &Sys, module: &Module) -> (Result<Counters, String>, Option<&'static str>) {
+    if !module.loaded {
+        return (Err("nvidia_peermem is not loaded".into()), None);
+    }
+    let e = match Sys::read(&sys.path(STATS)) {
+        Ok(text) => return (Ok(parse_stats(&text)), Some("peermem-rs")),
+        Err(e) => e,
+    };
+    let why = match e.kind() {
+        io::ErrorKind::PermissionDenied => {
+            format!("{STATS}: permission denied (debugfs needs root)")
+        }
+        io::ErrorKind::NotFound => match fs::read_dir(sys.path(DEBUGFS)).map(|mut d| d.next()) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                format!("{DEBUGFS}: permission denied (debugfs needs root)")
+            }
+            // Missing or empty: nothing mounted there.
+            Err(_) | Ok(None) => format!("debugfs is not mounted: {HINT}"),
+            Ok(Some(_)) if sys.path("/sys/kernel/debug/nvidia_peermem").exists() => {
+                format!("{STATS} missing: stats unavailable")
+            }
+            Ok(Some(_)) => {
+                let why = format!("no {STATS}: NVIDIA's C module or stats unavailable");
+                return (Err(why), Some("other"));
+            }
+        },
+        _ => format!("{STATS}: {e}"),
+    };
+    (Err(why), None)
+}
+
+fn read_peers(sys: &Sys) -> (Vec<Peer>, Option<String>) {
+    let names = match sys.list(PEERS_DIR) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return (Vec::new(), None),
+        Err(e) => return (Vec::new(), Some(e.to_string())),
+    };
+    let peers = names
+        .into_iter()
+        .filter(|(_, is_dir)| *is_dir)
+        .map(|(name, _)| {
+            let dir = format!("{PEERS_DIR}/{name}");
+            let mut version = None;
+            let mut counters = Vec::new();
+            for (file, is_dir) in sys.list(&dir).unwrap_or_default() {
+                if is_dir {
+                    continue;
+                }
+                let abs = format!("{dir}/{file}");
+                if file == "version" {
+                    version = sys.text(&abs);
+                } else if let Some(v) = sys.num(&abs) {
+                    counters.push((file, v));
+                }
+            }
+            Peer {
+                name,
+                version,
+                counters,
+            }
+        })
+        .collect();
+    (peers, None)
+}
+
+/// The leading decimal numbers of a version string ("6.12.3-amd64" → [6, 12, 3]).
+fn version_numbers(s: &str) -> Vec<u64> {
+    s.split(|c: char| !c.is_ascii_digit())
+        .take_while(|p| !p.is_empty())
+        .map_while(|p| p.parse().ok())
+        .collect()
+}
+
+fn read_dmabuf(sys: &Sys) -> DmaBuf {
+    let rule = &detect::DMABUF;
+    let nvidia_loaded = sys.path(rule.module).is_dir();
+    let nvidia_version = sys.text(&format!("{}/version", rule.module));
+    let kernel = sys.text(OSRELEASE);
+    let driver_ok = match &nvidia_version {
+        Some(Ok(v)) => version_numbers(v)
+            .first()
+            .map(|&major| major >= rule.min_driver_major),
+        _ => None,
+    };
+    let kernel_ok = match &kernel {
+        Some(Ok(k)) => match version_numbers(k)[..] {
+            [major, minor, ..] => Some((major, minor) >= rule.min_kernel),
+            _ => None,
+        },
+        _ => None,
+    };
+    DmaBuf {
+        nvidia_loaded,
+        nvidia_version,
+        kernel,
+        driver_ok,
+        kernel_ok,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_lines() {
+        let s = parse_stats("a 1\n\nb  22 \nc x\nd\ne 1 2\na 5\nf 18446744073709551615\n");
+        let get = |n: &str| s.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        assert_eq!(s.len(), 6);
+        assert_eq!(get("a"), Some(Ok(1)));
+        assert_eq!(get("b"), Some(Ok(22)));
+        assert!(get("c").unwrap().is_err());
+        assert!(get("d").unwrap().is_err());
+        assert!(get("e").unwrap().is_err());
+        assert_eq!(get("f"), Some(Ok(u64::MAX)));
+    }
+
+    #[test]
+    fn numbers() {
+        assert_eq!(parse_u64(" 42\n"), Ok(42));
+        assert!(parse_u64("-1").is_err());
+        assert!(parse_u64("").is_err());
+        assert!(parse_u64("18446744073709551616").is_err());
+        assert_eq!(version_numbers("6.12.3-amd64"), [6, 12, 3]);
+        assert_eq!(version_numbers("580.65.06"), [580, 65, 6]);
+        assert!(version_numbers("x").is_empty());
+    }
+}

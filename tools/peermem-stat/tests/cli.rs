@@ -1,0 +1,538 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! peermem-stat against fake sysfs/debugfs trees.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use peermem_stat::{
+    render::Rates,
+    sysfs::{Snapshot, Sys},
+};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_peermem-stat");
+
+/// A fake root, removed on drop.
+struct Tree(PathBuf);
+
+impl Tree {
+    fn new(name: &str) -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "peermem-stat-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        Tree(dir)
+    }
+
+    fn at(&self, abs: &str) -> PathBuf {
+        self.0.join(abs.trim_start_matches('/'))
+    }
+
+    /// Writes a file atomically (a running reader never sees it half-written).
+    fn file(&self, abs: &str, content: impl AsRef<[u8]>) -> &Self {
+        let p = self.at(abs);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let tmp = p.with_extension("tmp~");
+        fs::write(&tmp, content).unwrap();
+        fs::rename(&tmp, &p).unwrap();
+        self
+    }
+
+    fn dir(&self, abs: &str) -> &Self {
+        fs::create_dir_all(self.at(abs)).unwrap();
+        self
+    }
+
+    fn root(&self) -> &Path {
+        &self.0
+    }
+
+    /// Runs the tool in-process: (exit status, stdout, stderr).
+    fn run(&self, args: &[&str]) -> (i32, String, String) {
+        let mut all = vec!["--root".to_string(), self.0.display().to_string()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = peermem_stat::run(all, &mut out, &mut err, false);
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+
+    fn json(&self) -> Value {
+        let (code, out, err) = self.run(&["--json"]);
+        assert_eq!(out.lines().count(), 1, "one line: {out}");
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert!(code == 0 || code == 2, "exit {code}: {err}");
+        v
+    }
+
+    /// Our module, loaded, with every counter, its two clients and nvidia.
+    fn ours(name: &str) -> Self {
+        let t = Tree::new(name);
+        t.file("/sys/module/nvidia_peermem/version", "0.1.0\n")
+            .file(
+                "/sys/module/nvidia_peermem/parameters/persistent_api_support",
+                "0\n",
+            )
+            .file(
+                "/sys/module/nvidia_peermem/parameters/peerdirect_support",
+                "1\n",
+            )
+            .file("/sys/module/nvidia_peermem/refcnt", "2\n")
+            .file("/sys/kernel/debug/nvidia_peermem/stats", STATS)
+            .file("/sys/kernel/debug/nv_p2p_emu/inject", "")
+            .file("/sys/module/nvidia/version", "580.65.06\n")
+            .file("/proc/sys/kernel/osrelease", "7.3.0-1-amd64\n");
+        peer(&t, "nv_mem", 10, 7, 1_048_576, 851_968);
+        peer(&t, "nv_mem_nc", 4, 4, 8192, 8192);
+        t
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+const STATS: &str = "live_registrations 3
+pinned_bytes 196608
+acquired 12
+declined 1
+registrations 11
+releases 8
+invalidations 2
+core_invalidations 2
+sg_entries 40
+fail_bad_range 0
+fail_pin 0
+fail_page_table 0
+fail_not_pci 0
+fail_dma_map 5
+fail_dma_mapping 0
+fail_no_memory 0
+fail_revoked 0
+fail_unpin 0
+fail_order 0
+";
+
+fn peer(t: &Tree, name: &str, alloc: u64, dealloc: u64, reg: u64, dereg: u64) {
+    let d = format!("/sys/kernel/mm/memory_peers/{name}");
+    t.file(&format!("{d}/version"), "0.1.0\n")
+        .file(&format!("{d}/num_alloc_mrs"), format!("{alloc}\n"))
+        .file(&format!("{d}/num_dealloc_mrs"), format!("{dealloc}\n"))
+        .file(&format!("{d}/num_reg_pages"), format!("{}\n", reg / 4096))
+        .file(
+            &format!("{d}/num_dereg_pages"),
+            format!("{}\n", dereg / 4096),
+        )
+        .file(&format!("{d}/num_reg_bytes"), format!("{reg}\n"))
+        .file(&format!("{d}/num_dereg_bytes"), format!("{dereg}\n"))
+        .file(&format!("{d}/num_free_callbacks"), "2\n");
+}
+
+/// (enabled, path) per stack.
+fn detection(v: &Value) -> Vec<(String, bool, Option<String>)> {
+    v["detection"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["stack"].as_str().unwrap().to_string(),
+                d["enabled"].as_bool().unwrap(),
+                d["path"].as_str().map(str::to_string),
+            )
+        })
+        .collect()
+}
+
+fn det(stack: &str, path: Option<&str>) -> (String, bool, Option<String>) {
+    (stack.to_string(), path.is_some(), path.map(str::to_string))
+}
+
+const NV_MEM: &str = "/sys/kernel/mm/memory_peers/nv_mem/version";
+const NV_MEM_NC: &str = "/sys/kernel/mm/memory_peers/nv_mem_nc/version";
+const MODULE: &str = "/sys/module/nvidia_peermem/version";
+
+#[test]
+fn json_of_our_module() {
+    let t = Tree::ours("ours");
+    let v = t.json();
+    let m = &v["module"];
+    assert_eq!(m["loaded"], true);
+    assert_eq!(m["version"], "0.1.0");
+    assert_eq!(m["implementation"], "peermem-rs");
+    assert_eq!(m["refcnt"], 2);
+    assert_eq!(m["parameters"]["persistent_api_support"], "0");
+    assert_eq!(m["parameters"]["peerdirect_support"], "1");
+    let s = &v["stats"];
+    assert_eq!(s.as_object().unwrap().len(), 19);
+    assert_eq!(s["live_registrations"], 3);
+    assert_eq!(s["pinned_bytes"], 196608);
+    assert_eq!(s["registrations"], 11);
+    assert_eq!(s["fail_dma_map"], 5);
+    assert_eq!(s["fail_order"], 0);
+    assert_eq!(v["stats_error"], Value::Null);
+    let p = &v["peers"];
+    assert_eq!(p.as_object().unwrap().len(), 2);
+    assert_eq!(p["nv_mem"]["version"], "0.1.0");
+    assert_eq!(p["nv_mem"]["num_alloc_mrs"], 10);
+    assert_eq!(p["nv_mem"]["num_reg_pages"], 256);
+    assert_eq!(p["nv_mem"]["num_free_callbacks"], 2);
+    assert_eq!(p["nv_mem"]["live_mrs"], 3);
+    assert_eq!(p["nv_mem"]["live_bytes"], 196608);
+    assert_eq!(p["nv_mem_nc"]["live_mrs"], 0);
+    assert_eq!(p["nv_mem_nc"]["live_bytes"], 0);
+    assert_eq!(
+        detection(&v),
+        [
+            det("NCCL", Some(NV_MEM)),
+            det("UCX", Some(NV_MEM)),
+            det("Open MPI", Some(NV_MEM)),
+            det("NVSHMEM", Some(NV_MEM)),
+            det("nvidia-fs", Some(NV_MEM)),
+        ]
+    );
+    let d = &v["dmabuf"];
+    assert_eq!(d["nvidia_loaded"], true);
+    assert_eq!(d["nvidia_version"], "580.65.06");
+    assert_eq!(d["kernel"], "7.3.0-1-amd64");
+    assert_eq!(d["driver_ok"], true);
+    assert_eq!(d["kernel_ok"], true);
+    assert_eq!(v["rates"], Value::Null);
+    assert_eq!(v["errors"], serde_json::json!([]));
+    // Stable key order.
+    let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(keys.len(), 8);
+}
+
+#[test]
+fn table_of_our_module() {
+    let t = Tree::ours("table");
+    let (code, out, err) = t.run(&[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("nvidia_peermem: loaded, version 0.1.0, refcnt 2, implementation peermem-rs")
+    );
+    assert!(out.contains("parameters: peerdirect_support=1 persistent_api_support=0"));
+    let line = |name: &str| out.lines().find(|l| l.trim_start().starts_with(name));
+    let lr = line("live_registrations ").expect(&out);
+    assert!(lr.split_whitespace().nth(1) == Some("3"), "{lr}");
+    assert!(line("fail_dma_map ").unwrap().contains(" 5 "));
+    // Zero failures hidden unless --all.
+    assert!(line("fail_pin ").is_none(), "{out}");
+    assert!(out.contains("9 zero failure counters hidden"));
+    let nv = line("nv_mem ").expect(&out);
+    let cols: Vec<&str> = nv.split_whitespace().collect();
+    assert_eq!(&cols[..5], ["nv_mem", "0.1.0", "3", "196608", "10"]);
+    assert!(out.contains("NCCL      YES  /sys/kernel/mm/memory_peers/nv_mem/version"));
+    assert!(out.contains("Open MPI  YES"));
+    assert!(out.contains("version 580.65.06 (ok)"));
+    assert!(!out.contains("Unreadable"));
+
+    let (_, all, _) = t.run(&["--all"]);
+    assert!(all.lines().any(|l| l.trim_start().starts_with("fail_pin ")));
+    assert!(all
+        .lines()
+        .any(|l| l.trim_start().starts_with("fail_order ")));
+    assert!(!all.contains("zero failure counters hidden"));
+}
+
+#[test]
+fn detection_combinations() {
+    let none = Tree::new("none");
+    let v = none.json();
+    assert_eq!(
+        detection(&v),
+        [
+            det("NCCL", None),
+            det("UCX", None),
+            det("Open MPI", None),
+            det("NVSHMEM", None),
+            det("nvidia-fs", None)
+        ]
+    );
+    assert_eq!(v["module"]["loaded"], false);
+    assert_eq!(v["module"]["implementation"], Value::Null);
+    assert_eq!(v["dmabuf"]["nvidia_loaded"], false);
+
+    let module_only = Tree::new("module-only");
+    module_only.file(MODULE, "0.1.0\n");
+    assert_eq!(
+        detection(&module_only.json()),
+        [
+            det("NCCL", Some(MODULE)),
+            det("UCX", Some(MODULE)),
+            det("Open MPI", None),
+            det("NVSHMEM", Some(MODULE)),
+            det("nvidia-fs", None)
+        ]
+    );
+    let (_, out, _) = module_only.run(&[]);
+    assert!(out.contains("Open MPI  NO"), "{out}");
+    assert!(out.contains("NCCL      YES  /sys/module/nvidia_peermem/version"));
+
+    let nv_mem_only = Tree::new("nv-mem-only");
+    nv_mem_only.file(NV_MEM, "1.0\n");
+    let v = nv_mem_only.json();
+    assert_eq!(
+        detection(&v),
+        [
+            det("NCCL", Some(NV_MEM)),
+            det("UCX", Some(NV_MEM)),
+            det("Open MPI", Some(NV_MEM)),
+            det("NVSHMEM", Some(NV_MEM)),
+            det("nvidia-fs", Some(NV_MEM))
+        ]
+    );
+    assert_eq!(v["module"]["loaded"], false);
+    assert_eq!(v["peers"]["nv_mem"]["version"], "1.0");
+    assert_eq!(v["peers"]["nv_mem"]["live_mrs"], Value::Null);
+
+    let nc_only = Tree::new("nc-only");
+    nc_only.file(NV_MEM_NC, "1.0\n");
+    assert_eq!(
+        detection(&nc_only.json()),
+        [
+            det("NCCL", Some(NV_MEM_NC)),
+            det("UCX", None),
+            det("Open MPI", None),
+            det("NVSHMEM", None),
+            det("nvidia-fs", None)
+        ]
+    );
+}
+
+#[test]
+fn nvidia_c_module_and_missing_debugfs() {
+    // NVIDIA's module: version file, debugfs mounted, no stats of ours.
+    let c = Tree::new("c-module");
+    c.file(MODULE, "580.65.06\n")
+        .file("/sys/module/nvidia_peermem/refcnt", "0\n")
+        .dir("/sys/kernel/debug/dri");
+    let v = c.json();
+    assert_eq!(v["module"]["loaded"], true);
+    assert_eq!(v["module"]["implementation"], "other");
+    assert_eq!(v["stats"], Value::Null);
+    let e = v["stats_error"].as_str().unwrap();
+    assert!(e.contains("NVIDIA's C module or stats unavailable"), "{e}");
+    let (code, out, _) = c.run(&[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("NVIDIA's C module or stats unavailable"));
+    assert!(out.contains("implementation other"));
+
+    // Our module, debugfs not mounted: say so, show the rest.
+    let t = Tree::ours("no-debugfs");
+    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
+    fs::create_dir(t.at("/sys/kernel/debug")).unwrap();
+    let v = t.json();
+    assert_eq!(v["stats"], Value::Null);
+    assert_eq!(v["module"]["implementation"], Value::Null);
+    let e = v["stats_error"].as_str().unwrap();
+    assert!(e.contains("mount -t debugfs none /sys/kernel/debug"), "{e}");
+    assert_eq!(v["peers"]["nv_mem"]["live_mrs"], 3);
+    let (code, out, _) = t.run(&[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("debugfs is not mounted"));
+    assert!(out.contains("Peer-memory clients"));
+}
+
+#[test]
+fn malformed_files_do_not_panic() {
+    let t = Tree::ours("malformed");
+    t.file(
+        "/sys/kernel/debug/nvidia_peermem/stats",
+        "live_registrations 3\npinned_bytes abc\n\n  \nlonely\nregistrations 1 2\nacquired 99999999999999999999\nreleases 4\n",
+    )
+    .file("/sys/module/nvidia_peermem/refcnt", "-1\n")
+    .file("/sys/module/nvidia_peermem/version", b"0.1\"\\\x01\xff\n")
+    .file("/sys/kernel/mm/memory_peers/nv_mem/num_alloc_mrs", "zz\n")
+    .file("/sys/kernel/mm/memory_peers/nv_mem/num_reg_bytes", "")
+    .file("/sys/module/nvidia/version", "garbage\n")
+    .file("/proc/sys/kernel/osrelease", "\n");
+    let v = t.json();
+    assert_eq!(v["module"]["version"], "0.1\"\\\u{1}\u{fffd}");
+    assert_eq!(v["module"]["refcnt"], Value::Null);
+    let s = &v["stats"];
+    assert_eq!(s["live_registrations"], 3);
+    assert_eq!(s["releases"], 4);
+    for bad in ["pinned_bytes", "lonely", "registrations", "acquired"] {
+        assert_eq!(s[bad], Value::Null, "{bad}");
+    }
+    assert_eq!(v["peers"]["nv_mem"]["num_alloc_mrs"], Value::Null);
+    assert_eq!(v["peers"]["nv_mem"]["live_mrs"], Value::Null);
+    assert_eq!(v["peers"]["nv_mem"]["live_bytes"], Value::Null);
+    assert_eq!(v["peers"]["nv_mem_nc"]["live_mrs"], 0);
+    assert_eq!(v["dmabuf"]["driver_ok"], Value::Null);
+    assert_eq!(v["dmabuf"]["kernel_ok"], Value::Null);
+    let errors: Vec<&str> = v["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap())
+        .collect();
+    assert_eq!(errors.len(), 7, "{errors:?}");
+    assert!(errors
+        .iter()
+        .any(|e| e.starts_with("/sys/kernel/mm/memory_peers/nv_mem/num_alloc_mrs: not a number")));
+    let (code, out, _) = t.run(&["--all"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("Unreadable fields"));
+    assert!(out.contains("refcnt ERR"));
+
+    // A directory where a file should be, and a file where a directory should be.
+    let odd = Tree::new("odd");
+    odd.dir("/sys/module/nvidia_peermem/version")
+        .dir("/sys/kernel/debug/nvidia_peermem/stats")
+        .file("/sys/kernel/mm/memory_peers", "not a dir");
+    let v = odd.json();
+    assert_eq!(v["module"]["loaded"], true);
+    assert_eq!(v["module"]["version"], Value::Null);
+    assert_eq!(v["stats"], Value::Null);
+    assert!(v["stats_error"].is_string());
+    assert_eq!(v["peers"], serde_json::json!({}));
+}
+
+#[test]
+fn rates_between_snapshots() {
+    let t = Tree::ours("rates");
+    let a = Snapshot::read(&Sys::new(t.root()));
+    t.file(
+        "/sys/kernel/debug/nvidia_peermem/stats",
+        STATS
+            .replace("registrations 11", "registrations 31")
+            .replace("invalidations 2\n", "invalidations 7\n"),
+    );
+    let b = Snapshot::read(&Sys::new(t.root()));
+    let r = Rates::between(&a, &b, 2.0);
+    assert_eq!(r.registrations, Some(20));
+    assert_eq!(r.invalidations, Some(5));
+    assert_eq!(r.per_s(r.registrations), Some(10.0));
+    assert_eq!(r.per_s(r.invalidations), Some(2.5));
+    // Backwards (module reloaded): unknown, not a huge number.
+    let r = Rates::between(&b, &a, 2.0);
+    assert_eq!(r.registrations, None);
+    let table = peermem_stat::render::table(&b, false, Some(&Rates::between(&a, &b, 2.0)));
+    assert!(
+        table.contains("rates over 2.00 s: registrations 10.0/s, invalidations 2.5/s"),
+        "{table}"
+    );
+}
+
+#[test]
+fn watch_prints_frames_and_rates() {
+    let t = Tree::ours("watch");
+    // Human: two frames, the second with rates.
+    let out = Command::new(BIN)
+        .args([
+            "--root",
+            t.root().to_str().unwrap(),
+            "--watch",
+            "0.1",
+            "--count",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.matches("--- frame ").count(), 2, "{text}");
+    assert!(text.contains("--- frame 2 "));
+    assert_eq!(text.matches("rates over").count(), 1);
+    assert_eq!(text.matches("nvidia_peermem: loaded").count(), 2);
+
+    // JSON: one object per line; counters change between the frames.
+    let mut child = Command::new(BIN)
+        .args([
+            "--root",
+            t.root().to_str().unwrap(),
+            "--json",
+            "--watch",
+            "1",
+            "--count",
+            "2",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    t.file(
+        "/sys/kernel/debug/nvidia_peermem/stats",
+        STATS
+            .replace("registrations 11", "registrations 21")
+            .replace("invalidations 2\n", "invalidations 6\n"),
+    );
+    let second: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert!(lines.next().is_none());
+    assert!(child.wait().unwrap().success());
+    assert_eq!(first["rates"], Value::Null);
+    assert_eq!(first["stats"]["registrations"], 11);
+    assert_eq!(second["stats"]["registrations"], 21);
+    let r = &second["rates"];
+    assert_eq!(r["registrations"], 10);
+    assert_eq!(r["invalidations"], 4);
+    let dt = r["interval_s"].as_f64().unwrap();
+    assert!((0.99..10.0).contains(&dt), "interval {dt}");
+    let per_s = r["registrations_per_s"].as_f64().unwrap();
+    assert!((per_s - 10.0 / dt).abs() < 0.01, "{per_s} vs {dt}");
+    let inv = r["invalidations_per_s"].as_f64().unwrap();
+    assert!((inv - 4.0 / dt).abs() < 0.01, "{inv} vs {dt}");
+}
+
+#[test]
+fn exit_codes() {
+    let empty = Tree::new("empty");
+    let out = Command::new(BIN)
+        .args(["--root", empty.root().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("nothing found: nvidia_peermem is not loaded"),
+        "{err}"
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("nvidia_peermem: not loaded"));
+    assert!(text.contains("NCCL      NO"));
+    // JSON still printed, still valid.
+    let (code, out, _) = empty.run(&["--json"]);
+    assert_eq!(code, 2);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["peers"], serde_json::json!({}));
+
+    // Only a peer-memory client (e.g. an OFED nv_peer_mem): found.
+    let peers = Tree::new("peers-only");
+    peers.file(NV_MEM, "1.0\n");
+    assert_eq!(peers.run(&[]).0, 0);
+
+    for bad in [&["--bogus"][..], &["--watch", "x"], &["--count", "3"]] {
+        let out = Command::new(BIN).args(bad).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        assert!(String::from_utf8(out.stderr).unwrap().contains("--help"));
+    }
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8(out.stdout)
+        .unwrap()
+        .starts_with("peermem-stat: "));
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        format!("peermem-stat {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}
