@@ -13,7 +13,8 @@ use core::ptr::NonNull;
 use kernel::{
     bindings::pci_dev,
     ffi::c_void,
-    prelude::*, //
+    prelude::*,
+    sync::Arc, //
 };
 
 use crate::{
@@ -94,8 +95,54 @@ pub(crate) struct DmaMapping(NonNull<ffi::nvidia_p2p_dma_mapping>);
 // SAFETY: as for `PageTable`.
 unsafe impl Send for DmaMapping {}
 
-/// The free callback signature of `nvidia_p2p_get_pages`.
-pub(crate) type FreeCallback = unsafe extern "C" fn(data: *mut c_void);
+/// The owner of a non-persistent pin: what the GPU driver's free callback
+/// reaches.
+pub(crate) trait Revocable: Send + Sync {
+    /// The GPU driver is about to free the pinned pages; they (and any DMA
+    /// mapping of them) are gone once this returns.
+    fn revoke(&self);
+}
+
+/// The reference on `T` that the provider holds while the free callback of a
+/// non-persistent pin is armed.
+///
+/// # Invariants
+///
+/// The pointer came from `Arc::into_raw` and belongs to the provider: the
+/// free callback consumes it, or [`ArmedCallback::reclaim`] takes it back
+/// after an unpin that the callback did not race. Dropping the token leaves
+/// the reference where it is.
+pub(crate) struct ArmedCallback<T: Revocable>(NonNull<T>);
+
+// SAFETY: the token only carries a pointer to a `Send + Sync` owner.
+unsafe impl<T: Revocable> Send for ArmedCallback<T> {}
+
+impl<T: Revocable> ArmedCallback<T> {
+    /// Takes the provider's reference back.
+    ///
+    /// # Safety
+    ///
+    /// The pages were unpinned and the free callback did not run, so it never
+    /// will (the provider returned from the unpin).
+    pub(crate) unsafe fn reclaim(self) -> Arc<T> {
+        // SAFETY: from `Arc::into_raw` (type invariant), and no longer the
+        // provider's (caller).
+        unsafe { Arc::from_raw(self.0.as_ptr()) }
+    }
+}
+
+/// The free callback given to `nvidia_p2p_get_pages`.
+///
+/// # Safety
+///
+/// `data` is the reference that [`get_pages`] gave the provider; the provider
+/// calls this at most once, and only while the pin is armed.
+unsafe extern "C" fn free_trampoline<T: Revocable>(data: *mut c_void) {
+    // SAFETY: the provider hands back the reference given in `get_pages`; it
+    // is consumed here (the owner's lifecycle then never reclaims it).
+    let owner = unsafe { Arc::from_raw(data.cast::<T>().cast_const()) };
+    owner.revoke();
+}
 
 fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
     if rc != 0 {
@@ -113,24 +160,38 @@ pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     table_from(rc, pt)
 }
 
-/// Pins `range` with a free callback called with `data` when the GPU driver
-/// revokes the pages.
-///
-/// # Safety
-///
-/// `data` must stay valid for `callback` until the callback ran or the pages
-/// were unpinned, whichever comes first.
-pub(crate) unsafe fn get_pages(
+/// Pins `range` with a free callback that calls `owner.revoke()` when the GPU
+/// driver frees the pages; the provider holds a reference of its own on
+/// `owner` meanwhile. The callback may run before this returns.
+pub(crate) fn get_pages<T: Revocable>(
     range: &GpuRange,
-    callback: FreeCallback,
-    data: *mut c_void,
-) -> Result<PageTable> {
+    owner: &Arc<T>,
+) -> Result<(PageTable, ArmedCallback<T>)> {
+    let raw = Arc::clone(owner).into_raw();
     let mut pt = core::ptr::null_mut();
-    // SAFETY: `pt` is a valid out-pointer; the caller guarantees `data`.
+    // SAFETY: `pt` is a valid out-pointer; `raw` is a reference of its own,
+    // valid until the callback consumes it or the owner reclaims it.
     let rc = unsafe {
-        ffi::nvidia_p2p_get_pages(0, 0, range.start, range.len, &mut pt, Some(callback), data)
+        ffi::nvidia_p2p_get_pages(
+            0,
+            0,
+            range.start,
+            range.len,
+            &mut pt,
+            Some(free_trampoline::<T>),
+            raw.cast_mut().cast::<c_void>(),
+        )
     };
-    table_from(rc, pt)
+    match table_from(rc, pt) {
+        // INVARIANT: `raw` came from `Arc::into_raw` and the provider holds it.
+        Ok(t) => Ok((t, ArmedCallback(NonNull::from(owner.as_ref())))),
+        Err(e) => {
+            // SAFETY: the provider refused and did not keep the callback: the
+            // reference taken above is ours again.
+            drop(unsafe { Arc::from_raw(raw) });
+            Err(e)
+        }
+    }
 }
 
 impl PageTable {

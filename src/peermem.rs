@@ -23,7 +23,9 @@ mod coalesce;
 mod core_link;
 mod ffi;
 mod lifecycle;
+mod liveness;
 mod p2p;
+mod peer_device;
 mod range;
 mod registration;
 mod sg;
@@ -100,7 +102,19 @@ struct NvidiaPeermem {
 }
 
 fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-    stats::STATS.show(f)
+    stats::STATS.show(f)?;
+    // Rust module parameters have no /sys/module/*/parameters files (7.3):
+    // tools read them here.
+    writeln!(
+        f,
+        "param_persistent_api_support {}",
+        module_parameters::persistent_api_support.value()
+    )?;
+    writeln!(
+        f,
+        "param_peerdirect_support {}",
+        module_parameters::peerdirect_support.value()
+    )
 }
 
 impl kernel::Module for NvidiaPeermem {

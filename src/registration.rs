@@ -10,19 +10,17 @@
 
 use kernel::{
     bindings,
-    ffi::c_void,
     new_spinlock,
     prelude::*,
     sync::{
         atomic::Relaxed,
         Arc,
         SpinLock, //
-    },
+    }, //
 };
 
 use crate::{
     core_link::CoreLink,
-    ffi,
     lifecycle::{
         Invalidate,
         Lifecycle,
@@ -31,11 +29,15 @@ use crate::{
         Refusal,
         Teardown, //
     },
+    liveness::Liveness,
     p2p::{
         self,
+        ArmedCallback,
         DmaMapping,
-        PageTable, //
+        PageTable,
+        Revocable, //
     },
+    peer_device::PeerDevice,
     range::{
         self,
         GpuRange,
@@ -60,46 +62,19 @@ pub(crate) enum Mode {
     Invalidating,
 }
 
-/// A raw PCI device pointer the core handed us in `dma_map`.
-struct Peer(*mut bindings::pci_dev);
-
-// SAFETY: the pointer is only passed back to the provider; the core keeps the
-// device alive while the registration is mapped.
-unsafe impl Send for Peer {}
-
 struct Inner {
     lc: Lifecycle,
     table: Option<PageTable>,
     mapping: Option<DmaMapping>,
-    peer: Option<Peer>,
+    peer: Option<PeerDevice>,
+    /// The provider's reference on us while its free callback is armed.
+    callback: Option<ArmedCallback<Registration>>,
     sg: Option<SgTable>,
     core_context: Option<u64>,
     /// The provider refused to pin a range that is its memory (BAR1
     /// exhausted, ...): reported by `get_pages` as the errno it is, instead of
     /// the core's "Bad address" for memory nobody claimed.
     pin_error: Option<Error>,
-}
-
-/// Holds a reference on this module, and counts one live registration, for
-/// as long as it lives: `rmmod` is refused while registrations live.
-struct Liveness;
-
-impl Liveness {
-    fn new() -> Self {
-        // SAFETY: THIS_MODULE is live (we are running its code); the count is
-        // dropped in `Drop`.
-        unsafe { bindings::__module_get(crate::this_module()) };
-        STATS.live.add(1, Relaxed);
-        Liveness
-    }
-}
-
-impl Drop for Liveness {
-    fn drop(&mut self) {
-        STATS.live.fetch_sub(1, Relaxed);
-        // SAFETY: taken in `new`.
-        unsafe { bindings::module_put(crate::this_module()) };
-    }
 }
 
 /// One registration of a GPU range with the peer-memory core.
@@ -154,6 +129,7 @@ impl Registration {
                     table: None,
                     mapping: None,
                     peer: None,
+                    callback: None,
                     sg: None,
                     core_context: None,
                     pin_error: None,
@@ -177,21 +153,10 @@ impl Registration {
     fn pin(self: &Arc<Self>) -> Result {
         self.inner.lock().lc.start_pin().map_err(|_| EINVAL)?;
         let pinned_table = match self.mode {
-            Mode::Persistent => p2p::get_pages_persistent(&self.range),
-            Mode::Invalidating => {
-                let data = Arc::clone(self).into_raw().cast_mut().cast::<c_void>();
-                // SAFETY: `data` is a reference of its own on `self`, consumed
-                // by the callback or reclaimed after the unpin (`Lifecycle`).
-                let r = unsafe { p2p::get_pages(&self.range, free_callback, data) };
-                if r.is_err() {
-                    // SAFETY: the provider did not keep the callback: the
-                    // reference taken above is ours again.
-                    drop(unsafe { Arc::from_raw(data.cast::<Self>()) });
-                }
-                r
-            }
+            Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|t| (t, None)),
+            Mode::Invalidating => p2p::get_pages(&self.range, self).map(|(t, cb)| (t, Some(cb))),
         };
-        let table = match pinned_table {
+        let (table, callback) = match pinned_table {
             Ok(t) => t,
             Err(e) => {
                 self.inner.lock().lc.pin_failed();
@@ -208,10 +173,13 @@ impl Registration {
             Outcome::Done => {
                 // INVARIANT: pinned, so the table goes in.
                 g.table = Some(table);
+                g.callback = callback;
                 drop(g);
                 STATS.pinned_bytes.add(pinned(&self.range), Relaxed);
                 Ok(())
             }
+            // The callback already ran and consumed the provider's reference:
+            // `callback` is dropped without reclaiming it.
             Outcome::Revoked => Err(fail!(
                 Cause::Revoked,
                 EFAULT,
@@ -290,15 +258,15 @@ impl Registration {
         sg_head: *mut bindings::sg_table,
         dma_device: *mut bindings::device,
     ) -> Result<u32> {
-        // SAFETY: `dma_device` is NULL or a live device (caller).
-        let pdev = unsafe { ffi::peermem_to_pci_dev(dma_device) };
-        if pdev.is_null() {
+        // SAFETY: `dma_device` is NULL or a device the core keeps alive while
+        // mapped (caller).
+        let Some(peer) = (unsafe { PeerDevice::new(dma_device) }) else {
             return Err(fail!(
                 Cause::NotPci,
                 EINVAL,
                 "dma_device is not a PCI device"
             ));
-        }
+        };
         let table_ptr = {
             let mut g = self.inner.lock();
             if let Err(r) = g.lc.start_map() {
@@ -320,8 +288,8 @@ impl Registration {
             self.inner.lock().lc.map_failed();
             return Err(EINVAL);
         };
-        // SAFETY: as above; `pdev` is live (caller).
-        let mapping = match unsafe { table.dma_map(pdev) } {
+        // SAFETY: as above; `peer` is live (type invariant).
+        let mapping = match unsafe { table.dma_map(peer.pci()) } {
             Ok(m) => m,
             Err(e) => {
                 self.inner.lock().lc.map_failed();
@@ -336,18 +304,14 @@ impl Registration {
                 EOPNOTSUPP,
                 "unsupported NVIDIA DMA mapping: {m:?}"
             )),
-            Ok(addrs) => {
-                // SAFETY: `dma_device` is live (caller).
-                let max_seg = u64::from(unsafe { ffi::peermem_dma_max_seg_size(dma_device) });
-                SgTable::build(addrs, GPU_PAGE_SIZE, max_seg)
-                    .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))
-            }
+            Ok(addrs) => SgTable::build(addrs, GPU_PAGE_SIZE, peer.max_segment())
+                .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist")),
         };
         let sg = match built {
             Ok(sg) => sg,
             Err(e) => {
                 // SAFETY: valid as above; undo our own mapping.
-                let _ = unsafe { table.dma_unmap(pdev, mapping) };
+                let _ = unsafe { table.dma_unmap(peer.pci(), mapping) };
                 self.inner.lock().lc.map_failed();
                 return Err(e);
             }
@@ -360,7 +324,7 @@ impl Registration {
                 unsafe { sg.publish(sg_head) };
                 g.sg = Some(sg);
                 g.mapping = Some(mapping);
-                g.peer = Some(Peer(pdev));
+                g.peer = Some(peer);
                 drop(g);
                 STATS.registrations.add(1, Relaxed);
                 STATS.sg_entries.add(u64::from(nents), Relaxed);
@@ -433,7 +397,7 @@ impl Registration {
                 // SAFETY: `unmap_provider` is only decided for persistent
                 // pages (no free callback): the table and mapping are valid
                 // until we unpin, which comes after this.
-                if let Err(e) = unsafe { tb.dma_unmap(p.0, m) } {
+                if let Err(e) = unsafe { tb.dma_unmap(p.pci(), m) } {
                     fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
                 }
             }
@@ -451,14 +415,22 @@ impl Registration {
             fail!(Cause::Unpin, e, "unpinning GPU memory failed");
         }
         STATS.pinned_bytes.fetch_sub(pinned(&self.range), Relaxed);
-        if self.mode == Mode::Invalidating && self.inner.lock().lc.unpinned() {
+        let armed = {
+            let mut g = self.inner.lock();
+            let disarmed = g.lc.unpinned();
+            g.callback.take().filter(|_| disarmed)
+        };
+        if let Some(cb) = armed {
             // SAFETY: the provider's unpin returned and its callback never
-            // fired: the reference given to it in `pin` is ours to drop. It is
-            // not the last one: our caller holds another (the core's).
-            drop(unsafe { Arc::from_raw(core::ptr::from_ref::<Self>(self)) });
+            // fired (the lifecycle says disarmed): the reference given to it
+            // in `pin` is ours to drop. It is not the last one: our caller
+            // holds another (the core's).
+            drop(unsafe { cb.reclaim() });
         }
     }
+}
 
+impl Revocable for Registration {
     /// The GPU driver revoked the pages: tell the core, which stops the device
     /// before we return (the provider frees everything right after).
     fn revoke(&self) {
@@ -469,6 +441,8 @@ impl Registration {
             // INVARIANT: no longer pinned by us: the provider frees these
             // as soon as this callback returns.
             let was_pinned = g.table.take().is_some();
+            // The callback running now consumes the provider's reference.
+            g.callback = None;
             g.mapping = None;
             g.peer = None;
             if was_pinned {
@@ -491,17 +465,4 @@ impl Registration {
             }
         }
     }
-}
-
-/// `nvidia_p2p_get_pages` free callback.
-///
-/// # Safety
-///
-/// `data` is the reference that [`Registration::pin`] gave the provider;
-/// the provider calls this at most once, from sleepable context.
-unsafe extern "C" fn free_callback(data: *mut c_void) {
-    // SAFETY: the provider hands back the reference given in `pin`; it is
-    // consumed here (the unpin path no longer drops it once we disarmed).
-    let reg = unsafe { Arc::from_raw(data.cast::<Registration>().cast_const()) };
-    reg.revoke();
 }

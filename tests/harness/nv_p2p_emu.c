@@ -153,6 +153,27 @@ static DEFINE_HASHTABLE(live_tables, 16);
 
 static atomic64_t st_pins, st_ppins, st_unpins, st_callbacks, st_live_tables, st_live_maps, st_dma_maps;
 static atomic64_t st_bytes;	/* memory of live tables and mappings, as kmalloc rounds it */
+static atomic64_t st_ns;	/* time inside the exported calls (benchmark: client's own share) */
+
+/* make bench only: clock reads are slow under TCG, so timing is opt-in. */
+static bool bench_timing;
+module_param(bench_timing, bool, 0644);
+MODULE_PARM_DESC(bench_timing, "account the time spent inside the p2p calls (provider_ns)");
+
+static u64 clock_start(void)
+{
+	return READ_ONCE(bench_timing) ? ktime_get_ns() : 0;
+}
+
+/* Accounts the time since @t0 (from clock_start()) to the provider; returns
+ * @ret. The caller reads the clock into a variable first: argument order is
+ * unspecified. */
+static int timed(u64 t0, int ret)
+{
+	if (t0)
+		atomic64_add(ktime_get_ns() - t0, &st_ns);
+	return ret;
+}
 
 static u64 kbytes(size_t n)
 {
@@ -464,7 +485,10 @@ int nvidia_p2p_get_pages(uint64_t p2p_token, uint32_t va_space, uint64_t virtual
 		return -EINVAL;
 	if (!free_callback)
 		return -EINVAL;
-	return get_pages_common(virtual_address, length, page_table, free_callback, data, false, 0);
+	u64 t0 = clock_start();
+
+	return timed(t0,
+		     get_pages_common(virtual_address, length, page_table, free_callback, data, false, 0));
 }
 EXPORT_SYMBOL(nvidia_p2p_get_pages);
 
@@ -473,7 +497,10 @@ int nvidia_p2p_get_pages_persistent(uint64_t virtual_address, uint64_t length,
 {
 	if (flags & ~NVIDIA_P2P_FLAGS_FORCE_BAR1_MAPPING)
 		return -EINVAL;
-	return get_pages_common(virtual_address, length, page_table, NULL, NULL, true, flags);
+	u64 t0 = clock_start();
+
+	return timed(t0,
+		     get_pages_common(virtual_address, length, page_table, NULL, NULL, true, flags));
 }
 EXPORT_SYMBOL(nvidia_p2p_get_pages_persistent);
 
@@ -518,7 +545,9 @@ int nvidia_p2p_put_pages(uint64_t p2p_token, uint32_t va_space, uint64_t virtual
 {
 	if (!page_table)
 		return 0;
-	return put_common(page_table, false);
+	u64 t0 = clock_start();
+
+	return timed(t0, put_common(page_table, false));
 }
 EXPORT_SYMBOL(nvidia_p2p_put_pages);
 
@@ -527,12 +556,14 @@ int nvidia_p2p_put_pages_persistent(uint64_t virtual_address,
 {
 	if (flags || !page_table)
 		return -EINVAL;
-	return put_common(page_table, true);
+	u64 t0 = clock_start();
+
+	return timed(t0, put_common(page_table, true));
 }
 EXPORT_SYMBOL(nvidia_p2p_put_pages_persistent);
 
-int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
-			     struct nvidia_p2p_dma_mapping **dma_mapping)
+static int dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
+			 struct nvidia_p2p_dma_mapping **dma_mapping)
 {
 	struct emu_table *t;
 	struct emu_mapping *em;
@@ -604,10 +635,18 @@ fail:
 	kfree(em);
 	return err;
 }
+
+int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
+			     struct nvidia_p2p_dma_mapping **dma_mapping)
+{
+	u64 t0 = clock_start();
+
+	return timed(t0, dma_map_pages(peer, page_table, dma_mapping));
+}
 EXPORT_SYMBOL(nvidia_p2p_dma_map_pages);
 
-int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
-			       struct nvidia_p2p_dma_mapping *dma_mapping)
+static int dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
+			   struct nvidia_p2p_dma_mapping *dma_mapping)
 {
 	struct emu_table *t;
 	struct emu_mapping *em, *found = NULL;
@@ -630,6 +669,14 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_tabl
 	WARN_ON(peer != found->m.pci_dev);
 	free_mapping(found);
 	return 0;
+}
+
+int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
+			       struct nvidia_p2p_dma_mapping *dma_mapping)
+{
+	u64 t0 = clock_start();
+
+	return timed(t0, dma_unmap_pages(peer, page_table, dma_mapping));
 }
 EXPORT_SYMBOL(nvidia_p2p_dma_unmap_pages);
 
@@ -821,6 +868,7 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	info.live_mappings = atomic64_read(&st_live_maps);
 	info.dma_maps = atomic64_read(&st_dma_maps);
 	info.provider_bytes = atomic64_read(&st_bytes);
+	info.provider_ns = atomic64_read(&st_ns);
 	return copy_to_user(uarg, &info, sizeof(info)) ? -EFAULT : 0;
 }
 

@@ -44,6 +44,47 @@
 #include "peer_mem.h"
 #include "uapi.h"
 
+/* Time spent inside the client's callbacks, for make bench: minus the
+ * provider's own time (nv_p2p_emu's provider_ns) it is the client's. */
+static atomic64_t st_client_ns;
+
+static int client_ns_get(char *buf, const struct kernel_param *kp)
+{
+	return sysfs_emit(buf, "%lld\n", atomic64_read(&st_client_ns));
+}
+
+static const struct kernel_param_ops client_ns_ops = { .get = client_ns_get };
+module_param_cb(client_ns, &client_ns_ops, NULL, 0444);
+MODULE_PARM_DESC(client_ns, "nanoseconds spent inside peer-memory client callbacks");
+
+/* Opt-in: clock reads are slow under TCG. */
+static bool bench_timing;
+module_param(bench_timing, bool, 0644);
+MODULE_PARM_DESC(bench_timing, "account the time spent inside client callbacks (client_ns)");
+
+static u64 client_clock(void)
+{
+	return READ_ONCE(bench_timing) ? ktime_get_ns() : 0;
+}
+
+static void client_time(u64 t0)
+{
+	if (t0)
+		atomic64_add(ktime_get_ns() - t0, &st_client_ns);
+}
+
+#define CLIENT_CALL(expr) ({						\
+	u64 __t0 = client_clock();					\
+	typeof(expr) __r = (expr);					\
+	client_time(__t0);						\
+	__r;								\
+})
+#define CLIENT_CALL_VOID(expr) do {					\
+	u64 __t0 = client_clock();					\
+	expr;								\
+	client_time(__t0);						\
+} while (0)
+
 enum ib_peer_mem_flags {
 	IB_PEER_MEM_ALLOW = 1 << 0,
 	IB_PEER_MEM_INVAL_SUPP = 1 << 1,
@@ -372,8 +413,8 @@ static void unfix_peer_sgls(struct pmc_umem *u)
 static void unmap_client(struct pmc_umem *u)
 {
 	unfix_peer_sgls(u);
-	u->client->ops->dma_unmap(&u->sgt, u->ctx, u->dma_dev);
-	u->client->ops->put_pages(&u->sgt, u->ctx);
+	CLIENT_CALL(u->client->ops->dma_unmap(&u->sgt, u->ctx, u->dma_dev));
+	CLIENT_CALL_VOID(u->client->ops->put_pages(&u->sgt, u->ctx));
 	memset(&u->sgt, 0, sizeof(u->sgt));
 }
 
@@ -421,7 +462,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	list_for_each_entry(c, &peer_clients, node) {
 		if (c->invalidation_required && !(flags & PMC_REG_INVAL_SUPP))
 			continue;
-		if (c->ops->acquire(addr, len, NULL, NULL, &ctx) > 0) {
+		if (CLIENT_CALL(c->ops->acquire(addr, len, NULL, NULL, &ctx)) > 0) {
 			found = c;
 			atomic_inc(&c->umems);
 			break;
@@ -456,10 +497,11 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	} else {
 		u->xa_id = PEER_NO_INVALIDATION_ID;
 	}
-	err = c->ops->get_pages(addr, len, 1, !!(flags & PMC_REG_READ_ONLY), NULL, ctx, u->xa_id);
+	err = CLIENT_CALL(c->ops->get_pages(addr, len, 1, !!(flags & PMC_REG_READ_ONLY), NULL, ctx,
+					    u->xa_id));
 	if (err)
 		goto err_xa;
-	err = c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap);
+	err = CLIENT_CALL(c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap));
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
@@ -532,7 +574,7 @@ static void umem_release(struct pmc_umem *u)
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);
 	if (c->ops->release)
-		c->ops->release(u->ctx);
+		CLIENT_CALL_VOID(c->ops->release(u->ctx));
 	atomic64_inc(&c->num_dealloc_mrs);
 	atomic64_add(u->sgt.nents, &c->num_dereg_pages);
 	atomic64_add(u->len, &c->num_dereg_bytes);

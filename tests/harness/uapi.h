@@ -33,6 +33,7 @@ struct nvemu_info {
 	__u64 dma_maps;		/* successful nvidia_p2p_dma_map_pages */
 	__u64 live_allocs;	/* allocations whose BAR space is still held */
 	__u64 provider_bytes;	/* kernel memory held by live page tables and mappings */
+	__u64 provider_ns;	/* time spent inside the exported p2p calls */
 };
 
 #define NVEMU_IOC_ALLOC	_IOWR('N', 1, struct nvemu_alloc)

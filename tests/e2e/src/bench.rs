@@ -63,6 +63,23 @@ fn kernel_mem() -> KernelMem {
     }
 }
 
+/// Turns the harness's time accounting on or off (both modules).
+fn set_timing(on: bool) -> Result<(), String> {
+    for m in ["nv_p2p_emu", "peer_mem_core"] {
+        let p = format!("/sys/module/{m}/parameters/bench_timing");
+        std::fs::write(&p, if on { "1" } else { "0" }).map_err(|e| format!("{p}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Nanoseconds the emulated core has spent inside client callbacks.
+fn client_ns() -> f64 {
+    std::fs::read_to_string("/sys/module/peer_mem_core/parameters/client_ns")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .unwrap_or(f64::NAN)
+}
+
 fn emit(imp: &str, cost: &str, metric: &str, key: &str, value: f64) {
     println!("BENCH {{\"impl\":\"{imp}\",\"cost\":\"{cost}\",\"metric\":\"{metric}\",\"key\":\"{key}\",\"value\":{value}}}");
 }
@@ -114,6 +131,36 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
                 (i1.pins + i1.persistent_pins - i0.pins - i0.persistent_pins) as f64 / reps as f64;
             emit(imp, cost, "register_us", &key, median(&mut reg));
             emit(imp, cost, "deregister_us", &key, median(&mut dereg));
+            // A second pass with the harness clocks on: the client's own time,
+            // inside its callbacks (the core's clock) minus inside the
+            // provider's calls (the provider's clock). A pass of its own
+            // because clock reads are slow under TCG.
+            let (mut reg_own, mut dereg_own) = (Vec::new(), Vec::new());
+            set_timing(true)?;
+            let own = || client_ns() - g.info().provider_ns as f64;
+            for _ in 0..reps {
+                let o0 = own();
+                let h = c.reg(a.va, size, f).map_err(errno)?;
+                let o1 = own();
+                reg_own.push((o1 - o0) / 1e3);
+                c.dereg(h).map_err(errno)?;
+                dereg_own.push((own() - o1) / 1e3);
+            }
+            set_timing(false)?;
+            emit(
+                imp,
+                cost,
+                "register_client_own_us",
+                &key,
+                median(&mut reg_own),
+            );
+            emit(
+                imp,
+                cost,
+                "deregister_client_own_us",
+                &key,
+                median(&mut dereg_own),
+            );
             emit(imp, cost, "pins_per_registration", &key, pins);
             emit(
                 imp,

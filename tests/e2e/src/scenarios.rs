@@ -365,6 +365,21 @@ fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
             module::peer_stat("nv_mem", "version").as_deref() == Some(v.as_str()),
             "client version differs from module version"
         );
+        // The parameters, reported in debugfs (no sysfs files for Rust
+        // module parameters in 7.3).
+        let st = module::stats();
+        let want = (
+            u64::from(ctx.mode == Mode::Persistent),
+            u64::from(ctx.mode == Mode::Legacy),
+        );
+        let got = (
+            st.get("param_persistent_api_support").copied(),
+            st.get("param_peerdirect_support").copied(),
+        );
+        ensure!(
+            got == (Some(want.0), Some(want.1)),
+            "debugfs parameters {got:?}, expected {want:?}"
+        );
     }
     Ok(format!("version {v}"))
 }

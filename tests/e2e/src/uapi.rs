@@ -33,6 +33,7 @@ pub struct NvemuInfo {
     pub dma_maps: u64,
     pub live_allocs: u64,
     pub provider_bytes: u64,
+    pub provider_ns: u64,
 }
 
 pub const NVEMU_IOC_ALLOC: u64 = ioc(R | W, b'N', 1, core::mem::size_of::<NvemuAlloc>());
@@ -117,6 +118,6 @@ pub const PMC_IOC_QUERY: u64 = ioc(R | W, b'P', 3, core::mem::size_of::<PmcQuery
 pub const PMC_IOC_DMA: u64 = ioc(W, b'P', 4, core::mem::size_of::<PmcDma>());
 pub const PMC_IOC_INFO: u64 = ioc(R, b'P', 5, core::mem::size_of::<PmcInfo>());
 
-const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 144);
+const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 152);
 const _: () = assert!(core::mem::size_of::<PmcQuery>() == 144);
 const _: () = assert!(core::mem::size_of::<PmcDma>() == 40);

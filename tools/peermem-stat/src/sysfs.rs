@@ -202,8 +202,23 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn read(sys: &Sys) -> Self {
-        let module = read_module(sys);
-        let (stats, implementation) = read_stats(sys, &module);
+        let mut module = read_module(sys);
+        let (mut stats, implementation) = read_stats(sys, &module);
+        // Rust module parameters do not appear in /sys/module/*/parameters
+        // (Linux 7.3); the module reports them as `param_<name>` lines.
+        if let Ok(counters) = stats.as_mut() {
+            counters.retain(|(name, value)| {
+                let Some(param) = name.strip_prefix("param_") else {
+                    return true;
+                };
+                if !module.parameters.iter().any(|(n, _)| n == param) {
+                    let v = value.clone().map(|v| v.to_string());
+                    module.parameters.push((param.to_string(), v));
+                }
+                false
+            });
+            module.parameters.sort_by(|a, b| a.0.cmp(&b.0));
+        }
         let (peers, peers_error) = read_peers(sys);
         let detection = detect::stacks()
             .into_iter()

@@ -536,3 +536,33 @@ fn exit_codes() {
         format!("peermem-stat {}\n", env!("CARGO_PKG_VERSION"))
     );
 }
+
+#[test]
+fn parameters_from_debugfs_when_sysfs_has_none() {
+    // Linux 7.3 gives Rust module parameters no sysfs files: the module
+    // reports them as param_* lines in its stats.
+    let t = Tree::new("params-debugfs");
+    t.file(MODULE, "0.1.0\n").file(
+        "/sys/kernel/debug/nvidia_peermem/stats",
+        format!("{STATS}param_persistent_api_support 1\nparam_peerdirect_support 0\n"),
+    );
+    let v = t.json();
+    assert_eq!(v["module"]["parameters"]["persistent_api_support"], "1");
+    assert_eq!(v["module"]["parameters"]["peerdirect_support"], "0");
+    assert_eq!(v["stats"]["live_registrations"], 3);
+    assert!(v["stats"].get("param_persistent_api_support").is_none());
+    let (_, out, _) = t.run(&[]);
+    assert!(
+        out.contains("parameters: peerdirect_support=0 persistent_api_support=1"),
+        "{out}"
+    );
+    // sysfs wins where it has the parameter.
+    t.file(
+        "/sys/module/nvidia_peermem/parameters/persistent_api_support",
+        "0\n",
+    );
+    assert_eq!(
+        t.json()["module"]["parameters"]["persistent_api_support"],
+        "0"
+    );
+}

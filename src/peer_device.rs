@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The device the core maps a registration for (`dma_device` in `dma_map`).
+//!
+//! NVIDIA's DMA API takes a `pci_dev`; the core hands a plain `device`. A
+//! device that is not on PCI is refused here, once, instead of being passed on
+//! as a garbage `pci_dev` (what the C anchors do).
+
+use core::ptr::NonNull;
+
+use kernel::bindings::{
+    device,
+    pci_dev, //
+};
+
+use crate::ffi;
+
+/// A PCI device the core maps a registration for.
+///
+/// # Invariants
+///
+/// `pdev` is the `pci_dev` of `dev`, and both stay alive while the core keeps
+/// the registration mapped for it.
+pub(crate) struct PeerDevice {
+    dev: NonNull<device>,
+    pdev: NonNull<pci_dev>,
+}
+
+// SAFETY: the pointers are only handed back to the provider and the DMA API,
+// which may be called from any thread; the core keeps the device alive.
+unsafe impl Send for PeerDevice {}
+
+impl PeerDevice {
+    /// The PCI device behind `dev`; `None` when `dev` is NULL or not PCI.
+    ///
+    /// # Safety
+    ///
+    /// `dev` must be NULL or a device the core keeps alive while the
+    /// registration is mapped for it.
+    pub(crate) unsafe fn new(dev: *mut device) -> Option<Self> {
+        let dev = NonNull::new(dev)?;
+        // SAFETY: `dev` is a live device (caller); the helper checks the bus
+        // before converting.
+        let pdev = NonNull::new(unsafe { ffi::peermem_to_pci_dev(dev.as_ptr()) })?;
+        // INVARIANT: `pdev` is `dev`'s pci_dev, alive as long as `dev` is.
+        Some(Self { dev, pdev })
+    }
+
+    /// The device's largest DMA segment: scatterlist entries must not exceed it.
+    pub(crate) fn max_segment(&self) -> u64 {
+        // SAFETY: `dev` is alive (type invariant).
+        u64::from(unsafe { ffi::peermem_dma_max_seg_size(self.dev.as_ptr()) })
+    }
+
+    /// The `pci_dev` for NVIDIA's DMA API.
+    pub(crate) fn pci(&self) -> *mut pci_dev {
+        self.pdev.as_ptr()
+    }
+}
