@@ -6,7 +6,8 @@ use std::{path::PathBuf, time::Duration};
 
 pub const HELP: &str = "\
 peermem-stat: what nvidia_peermem and the RDMA core's peer-memory clients are doing,
-and which GPUDirect RDMA detection paths NCCL, UCX and Open MPI will see.
+and which GPUDirect RDMA detection paths NCCL, UCX, Open MPI, NVSHMEM and GDS
+will see.
 
 Usage: peermem-stat [OPTIONS]
 
