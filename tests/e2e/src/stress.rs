@@ -24,6 +24,8 @@ struct Mr {
     handle: u64,
     alloc: usize,
     inval: bool,
+    /// Registered length: the device may touch no more than this.
+    len: u64,
 }
 
 struct Pool {
@@ -99,6 +101,7 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
                     handle: h,
                     alloc: i,
                     inval,
+                    len,
                 }),
                 (Err(libc::EFAULT), true) => {}
                 (Ok(_), true) => return Err(e("register freed GPU memory succeeded", 0)),
@@ -164,11 +167,23 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             }
             let mr = &p.mrs[(next(&mut x) % p.mrs.len() as u64) as usize];
             let q = c.query(mr.handle).map_err(|err| e("query", err))?;
-            let res = c.dma_read(mr.handle, 0, 8);
+            // At most 8 bytes: an MR can be shorter (the core refuses a DMA
+            // past its end with EINVAL).
+            let res = c.dma_read(mr.handle, 0, mr.len.min(8) as usize);
             n.dma += 1;
             match (res, q.revoked) {
                 (Ok(_), 0) | (Err(libc::EACCES), 1) => {}
                 (r, rev) => return Err(e(&format!("DMA {r:?} on MR revoked={rev}"), 0)),
+            }
+            // Past the end of a short MR: refused, whatever its state.
+            if mr.len < 8 {
+                let past = c.dma_read(mr.handle, 0, 8);
+                if past != Err(libc::EINVAL) {
+                    return Err(e(
+                        &format!("DMA past the end of a {}-byte MR: {past:?}", mr.len),
+                        0,
+                    ));
+                }
             }
         } else {
             // a child with live registrations, killed
