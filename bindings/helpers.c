@@ -11,12 +11,17 @@
 #include <linux/dma-mapping.h>
 #include <linux/pci.h>
 #include <linux/stddef.h>
+#include <linux/workqueue.h>
 #include "nv-p2p.h"
 #include "peer_mem.h"
 
 unsigned int peermem_dma_max_seg_size(struct device *dev);
 struct pci_dev *peermem_to_pci_dev(struct device *dev);
 bool peermem_dbg(const char *msg);
+int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
+void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
+struct workqueue_struct *peermem_wq_alloc(void);
+void peermem_wq_destroy(struct workqueue_struct *wq);
 
 /* The device's DMA segment limit (static inline in dma-mapping.h). */
 unsigned int peermem_dma_max_seg_size(struct device *dev)
@@ -30,6 +35,49 @@ struct pci_dev *peermem_to_pci_dev(struct device *dev)
 	if (!dev || !dev_is_pci(dev))
 		return NULL;
 	return to_pci_dev(dev);
+}
+
+/*
+ * GPU BAR pages are MMIO: DMA-API debug's cacheline overlap accounting (for
+ * kernel memory) does not apply, and many MRs on one GPU buffer legitimately
+ * map the same BAR page many times.
+ */
+#ifdef DMA_ATTR_DEBUGGING_IGNORE_CACHELINES
+#define PEERMEM_BAR_ATTRS DMA_ATTR_DEBUGGING_IGNORE_CACHELINES
+#else
+#define PEERMEM_BAR_ATTRS 0
+#endif
+
+/*
+ * Maps @len bytes of a peer's BAR at bus address @phys for DMA by @dev, as
+ * the GPU driver's nv_dma_map_peer() does: an IOVA under a translating
+ * IOMMU, the bus address otherwise. 0 or -EIO.
+ */
+int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma)
+{
+	dma_addr_t a = dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
+
+	if (dma_mapping_error(dev, a))
+		return -EIO;
+	*dma = a;
+	return 0;
+}
+
+void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
+{
+	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
+}
+
+/* The module's own queue for work that must finish before it unloads. */
+struct workqueue_struct *peermem_wq_alloc(void)
+{
+	return alloc_workqueue("nvidia_peermem", WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+}
+
+/* Drains the queue (every queued item has run and returned), then frees it. */
+void peermem_wq_destroy(struct workqueue_struct *wq)
+{
+	destroy_workqueue(wq);
 }
 
 /*

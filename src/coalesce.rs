@@ -66,3 +66,53 @@ impl Iterator for Coalescer<'_> {
 pub(crate) fn count(addrs: &[u64], page: u64, max_seg: u64) -> usize {
     Coalescer::new(addrs, page, max_seg).count()
 }
+
+/// Segments of `n` pages whose addresses a function gives (for tables whose
+/// addresses are not laid out in one slice, such as the provider's page
+/// pointers): the same merging rules as [`Coalescer`].
+pub(crate) struct Runs<F: Fn(usize) -> u64> {
+    at: usize,
+    n: usize,
+    addr: F,
+    page: u64,
+    max_seg: u64,
+}
+
+impl<F: Fn(usize) -> u64> Runs<F> {
+    /// Segments of pages `0..n`, page `i` at `addr(i)`.
+    pub(crate) fn new(n: usize, addr: F, page: u64, max_seg: u64) -> Self {
+        let cap = core::cmp::min(max_seg, u64::from(u32::MAX));
+        let max_seg = core::cmp::max(cap - cap % page, page);
+        Self {
+            at: 0,
+            n,
+            addr,
+            page,
+            max_seg,
+        }
+    }
+}
+
+impl<F: Fn(usize) -> u64> Iterator for Runs<F> {
+    type Item = Segment;
+
+    fn next(&mut self) -> Option<Segment> {
+        if self.at >= self.n {
+            return None;
+        }
+        let mut seg = Segment {
+            addr: (self.addr)(self.at),
+            len: self.page,
+        };
+        self.at += 1;
+        while self.at < self.n {
+            let a = (self.addr)(self.at);
+            if seg.addr.checked_add(seg.len) != Some(a) || seg.len + self.page > self.max_seg {
+                break;
+            }
+            seg.len += self.page;
+            self.at += 1;
+        }
+        Some(seg)
+    }
+}

@@ -9,10 +9,12 @@
 use kernel::{
     bindings::{
         device,
-        pci_dev, //
+        pci_dev,
+        workqueue_struct, //
     },
     ffi::{
         c_char,
+        c_int,
         c_uint, //
     },
 };
@@ -52,6 +54,15 @@ extern "C" {
     /// Whether the module's dynamic-debug call site is enabled; prints `msg`
     /// (NUL-terminated, or NULL for none) through it if so.
     pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
+    /// `dma_map_resource` of a peer's BAR range for `dev`: 0 and the DMA
+    /// address in `dma`, or -EIO.
+    pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
+    /// Undoes [`peermem_map_bar`].
+    pub(crate) fn peermem_unmap_bar(dev: *mut device, dma: u64, len: u64);
+    /// A workqueue of this module, or NULL.
+    pub(crate) fn peermem_wq_alloc() -> *mut workqueue_struct;
+    /// Drains and frees a queue from [`peermem_wq_alloc`].
+    pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
 }
 
 // Compile-time layout checks: the x86_64 ABI of every struct this module

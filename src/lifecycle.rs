@@ -7,27 +7,70 @@
 //! callback can come at any moment in between, from another thread. Every
 //! decision about what the client may still touch is taken here, under the
 //! registration's lock, and the provider is called only after the lock is
-//! dropped. The module and the host model checker compile this very file.
+//! dropped.
+//!
+//! Each phase carries exactly the objects it owns: the pin (page table and,
+//! for a non-persistent pin, the token of the reference the GPU driver holds
+//! for its free callback), the core's id once `get_pages` published it, and
+//! the client's DMA mapping once `dma_map` made it. A call moves what it must
+//! undo out of the phase and hands it to the caller, so "the table is used
+//! only while pinned" and "the callback's reference is reclaimed at most once,
+//! and only when the callback can no longer run" hold by construction.
+//!
+//! The module and the host model checker (loom, proptest) compile this very
+//! file, with kernel objects or with plain markers as the resources.
 
-/// Where a registration is in its life.
+/// The objects a registration owns at some point of its life.
+pub(crate) trait Resources {
+    /// A page table the GPU driver pinned for us.
+    type Table;
+    /// The reference on the registration that the GPU driver holds while the
+    /// free callback of a non-persistent pin is armed. Dropping a token leaves
+    /// the reference with the driver (the callback consumes it).
+    type Token;
+    /// A DMA mapping made for the device, with its scatterlist: undone by the
+    /// client, never by the GPU driver's callback.
+    type Map;
+}
+
+/// A pin: the page table, the armed callback's token (`None` for a persistent
+/// pin) and the process that pinned it (the GPU driver finds a
+/// non-persistent pin by the caller's process).
+pub(crate) struct Pin<R: Resources> {
+    pub(crate) table: R::Table,
+    pub(crate) token: Option<R::Token>,
+    pub(crate) owner: u32,
+}
+
+/// Where a registration is in its life (a tag, for logs and tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Phase {
     /// `acquire` claimed the range; nothing pinned.
     Acquired,
     /// The provider is pinning the range.
     Pinning,
-    /// Pinned; not (or no longer) DMA-mapped.
+    /// Pinned; `get_pages` has not accepted the table yet.
     Pinned,
-    /// The provider is DMA-mapping the pages.
+    /// `get_pages` refused the provider's table: only `release` may follow.
+    Unusable,
+    /// `get_pages` accepted the table and published the core's id.
+    Bound,
+    /// The client is DMA-mapping the pages.
     Mapping,
-    /// Pinned and DMA-mapped; the core owns a scatterlist of ours.
+    /// Pinned and DMA-mapped; the core holds the scatterlist.
     Mapped,
-    /// The GPU driver revoked the pages: its page table and DMA mappings are
-    /// gone (or will be as soon as the free callback returns).
+    /// The GPU driver revoked the pages: its page table is gone (or will be as
+    /// soon as the free callback returns).
     Revoked,
-    /// The client unpinned the pages.
-    Unpinned,
-    /// `release` ran; nothing may follow.
+    /// `release` is unpinning at the provider.
+    Unpinning,
+    /// The provider failed to unpin: the pin and its callback stay armed
+    /// until the GPU driver frees the memory.
+    Stranded,
+    /// Released in a process that cannot unpin (not the pinning one): the pin
+    /// stays until the GPU driver frees the memory and calls back.
+    Orphaned,
+    /// Nothing of the provider's is held any more; nothing may follow.
     Released,
 }
 
@@ -40,102 +83,148 @@ pub(crate) enum Refusal {
     Forbidden(Phase),
 }
 
-/// What the caller must undo after a successful pin or map that lost the race
-/// against the free callback.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// The step took effect.
-    Done,
-    /// The free callback fired meanwhile: the provider objects are the GPU
-    /// driver's to free; the caller must not touch them and must fail the call.
-    Revoked,
-}
-
-/// Teardown work decided under the lock, carried out after it is dropped.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Teardown {
-    /// Free the scatterlist the client built.
-    pub(crate) free_sg: bool,
-    /// Undo the provider's DMA mapping (`nvidia_p2p_dma_unmap_pages`).
-    pub(crate) unmap_provider: bool,
-    /// Unpin at the provider (`nvidia_p2p_put_pages[_persistent]`).
-    pub(crate) unpin_provider: bool,
-}
-
 /// What the free callback must do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Invalidate {
-    /// Ask the core to revoke the registration (call its invalidate hook).
-    NotifyCore,
-    /// Nothing to tell the core: it is already tearing the registration down.
+    /// Ask the core to revoke the registration it knows by this id, then
+    /// undo the client's own mapping if the core left it.
+    NotifyCore(u64),
+    /// The core does not know the registration yet, or is tearing it down.
     Quiet,
+    /// The callback ended a pin that `release` could not undo: stranded by a
+    /// failed unpin, or `orphaned` by a release in another process. The
+    /// registration's last provider-side object is gone.
+    Reaped {
+        /// Orphaned (else stranded).
+        orphaned: bool,
+    },
+}
+
+/// What `release` leaves the caller to do, outside the lock.
+pub(crate) struct Release<R: Resources> {
+    /// Undo this mapping first.
+    pub(crate) map: Option<R::Map>,
+    /// Then unpin this table at the provider and report with
+    /// [`Lifecycle::unpinned`].
+    pub(crate) unpin: Option<R::Table>,
+    /// The registration was released in another process than the pinning
+    /// one: its pin stays with the GPU driver until the free callback.
+    pub(crate) orphaned: bool,
+}
+
+impl<R: Resources> Default for Release<R> {
+    fn default() -> Self {
+        Self {
+            map: None,
+            unpin: None,
+            orphaned: false,
+        }
+    }
+}
+
+/// How a provider unpin ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unpinned {
+    /// Unpinned, and the callback had not run: the token is reclaimed.
+    Reclaim,
+    /// The callback ran first and consumed its reference: nothing to reclaim.
+    Raced,
+    /// A persistent pin was unpinned (there is no callback).
+    Persistent,
+    /// The unpin failed and the callback is still armed: the pin is stranded
+    /// until the GPU driver frees the memory.
+    Stranded,
+    /// A persistent unpin failed: the pin is lost to the client.
+    Leaked,
+}
+
+enum State<R: Resources> {
+    Acquired,
+    Pinning,
+    Pinned(Pin<R>),
+    Unusable(Pin<R>),
+    Bound(Pin<R>, u64),
+    Mapping(Pin<R>, u64),
+    Mapped(Pin<R>, u64, R::Map),
+    Revoked(Option<R::Map>),
+    /// `Some` while the token may still be reclaimed; `None` once the callback
+    /// consumed it (or for a persistent pin).
+    Unpinning(Option<R::Token>, bool),
+    Stranded(R::Token),
+    Orphaned(R::Table, R::Token),
+    Released,
 }
 
 /// The state machine of one registration.
 ///
 /// # Invariants
 ///
-/// - `callback_armed` is true only in invalidating mode, from a successful pin
-///   until the free callback fires or the unpin path reclaims the callback's
-///   reference, whichever comes first.
-/// - `sg_owned` is true only while the client owns a scatterlist it built.
-#[derive(Debug)]
-pub(crate) struct Lifecycle {
-    phase: Phase,
-    invalidating: bool,
-    callback_armed: bool,
-    callback_fired: bool,
-    sg_owned: bool,
+/// Every provider object of the registration is owned by exactly one place:
+/// the current state, or the caller a transition handed it to. A token leaves
+/// the state only to be reclaimed after an unpin the callback did not race,
+/// or to be dropped when the callback consumes its reference.
+pub(crate) struct Lifecycle<R: Resources> {
+    state: State<R>,
 }
 
-impl Lifecycle {
-    /// A freshly acquired registration; `invalidating` when the provider gets
-    /// a free callback (non-persistent pinning).
-    pub(crate) const fn new(invalidating: bool) -> Self {
+impl<R: Resources> Lifecycle<R> {
+    /// A freshly acquired registration.
+    pub(crate) const fn new() -> Self {
         Self {
-            phase: Phase::Acquired,
-            invalidating,
-            callback_armed: false,
-            callback_fired: false,
-            sg_owned: false,
+            state: State::Acquired,
         }
     }
 
     /// The current phase.
     pub(crate) fn phase(&self) -> Phase {
-        self.phase
-    }
-
-    /// Whether the free callback has fired.
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn callback_fired(&self) -> bool {
-        self.callback_fired
-    }
-
-    /// Whether the provider still holds the callback's reference.
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn callback_armed(&self) -> bool {
-        self.callback_armed
-    }
-
-    /// Whether the client owns a scatterlist.
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn sg_owned(&self) -> bool {
-        self.sg_owned
-    }
-
-    fn refuse(&self) -> Refusal {
-        match self.phase {
-            Phase::Revoked => Refusal::Revoked,
-            p => Refusal::Forbidden(p),
+        match self.state {
+            State::Acquired => Phase::Acquired,
+            State::Pinning => Phase::Pinning,
+            State::Pinned(..) => Phase::Pinned,
+            State::Unusable(..) => Phase::Unusable,
+            State::Bound(..) => Phase::Bound,
+            State::Mapping(..) => Phase::Mapping,
+            State::Mapped(..) => Phase::Mapped,
+            State::Revoked(..) => Phase::Revoked,
+            State::Unpinning(..) => Phase::Unpinning,
+            State::Stranded(..) => Phase::Stranded,
+            State::Orphaned(..) => Phase::Orphaned,
+            State::Released => Phase::Released,
         }
     }
 
-    /// `get_pages` is about to pin.
+    /// Whether the provider still holds an armed callback's reference that
+    /// this lifecycle tracks.
+    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
+    pub(crate) fn callback_armed(&self) -> bool {
+        match &self.state {
+            State::Pinned(p)
+            | State::Unusable(p)
+            | State::Bound(p, _)
+            | State::Mapping(p, _)
+            | State::Mapped(p, _, _) => p.token.is_some(),
+            State::Unpinning(t, _) => t.is_some(),
+            State::Stranded(_) | State::Orphaned(..) => true,
+            _ => false,
+        }
+    }
+
+    fn refuse(&self) -> Refusal {
+        match self.state {
+            State::Revoked(_) => Refusal::Revoked,
+            _ => Refusal::Forbidden(self.phase()),
+        }
+    }
+
+    fn take(&mut self) -> State<R> {
+        core::mem::replace(&mut self.state, State::Released)
+    }
+
+    /// `acquire` is about to pin.
     pub(crate) fn start_pin(&mut self) -> Result<(), Refusal> {
-        match self.phase {
-            Phase::Acquired => {
-                self.phase = Phase::Pinning;
+        match self.state {
+            State::Acquired => {
+                self.state = State::Pinning;
                 Ok(())
             }
             _ => Err(self.refuse()),
@@ -144,145 +233,248 @@ impl Lifecycle {
 
     /// The provider refused to pin.
     pub(crate) fn pin_failed(&mut self) {
-        if self.phase == Phase::Pinning {
-            self.phase = Phase::Acquired;
+        if let State::Pinning = self.state {
+            self.state = State::Acquired;
         }
     }
 
-    /// The provider pinned the range.
-    pub(crate) fn pin_succeeded(&mut self) -> Outcome {
-        match self.phase {
-            Phase::Pinning => {
-                self.phase = Phase::Pinned;
-                // INVARIANT: armed only in invalidating mode, from here on.
-                self.callback_armed = self.invalidating;
-                Outcome::Done
-            }
-            _ => Outcome::Revoked,
-        }
-    }
-
-    /// `dma_map` is about to map.
-    pub(crate) fn start_map(&mut self) -> Result<(), Refusal> {
-        match self.phase {
-            Phase::Pinned => {
-                self.phase = Phase::Mapping;
+    /// The provider pinned the range. If its free callback fired meanwhile,
+    /// the pin is handed back: its table is the provider's to free and its
+    /// token was consumed by the callback; the caller must fail.
+    pub(crate) fn pin_succeeded(&mut self, pin: Pin<R>) -> Result<(), Pin<R>> {
+        match self.state {
+            State::Pinning => {
+                self.state = State::Pinned(pin);
                 Ok(())
             }
+            _ => Err(pin),
+        }
+    }
+
+    /// The pinned table, for `get_pages` to check; the state stays Pinned.
+    pub(crate) fn pinned_table(&self) -> Result<&R::Table, Refusal> {
+        match &self.state {
+            State::Pinned(p) => Ok(&p.table),
             _ => Err(self.refuse()),
         }
     }
 
-    /// Mapping failed; the provider mapping (if any) was undone by the caller.
+    /// `get_pages` accepted the table: the core knows the registration as
+    /// `core_context` from now on.
+    pub(crate) fn bind(&mut self, core_context: u64) -> Result<(), Refusal> {
+        match self.take() {
+            State::Pinned(p) => {
+                self.state = State::Bound(p, core_context);
+                Ok(())
+            }
+            s => {
+                self.state = s;
+                Err(self.refuse())
+            }
+        }
+    }
+
+    /// `get_pages` refused the table: nothing but `release` may use the pin.
+    pub(crate) fn reject(&mut self) {
+        match self.take() {
+            State::Pinned(p) => self.state = State::Unusable(p),
+            s => self.state = s,
+        }
+    }
+
+    /// `dma_map` is about to map: legal only once `get_pages` published the
+    /// core's id (so a free callback now waits for the core, which holds its
+    /// mapping lock across `dma_map`). Returns the table to map.
+    pub(crate) fn start_map(&mut self) -> Result<&R::Table, Refusal> {
+        match self.take() {
+            State::Bound(p, ctx) => self.state = State::Mapping(p, ctx),
+            s => {
+                self.state = s;
+                return Err(self.refuse());
+            }
+        }
+        match &self.state {
+            State::Mapping(p, _) => Ok(&p.table),
+            _ => Err(Refusal::Forbidden(Phase::Mapping)),
+        }
+    }
+
+    /// Mapping failed; the caller undid its partial mapping.
     pub(crate) fn map_failed(&mut self) {
-        if self.phase == Phase::Mapping {
-            self.phase = Phase::Pinned;
+        match self.take() {
+            State::Mapping(p, ctx) => self.state = State::Bound(p, ctx),
+            s => self.state = s,
         }
     }
 
-    /// The pages are mapped and the scatterlist is built.
-    pub(crate) fn map_succeeded(&mut self) -> Outcome {
-        match self.phase {
-            Phase::Mapping => {
-                self.phase = Phase::Mapped;
-                // INVARIANT: the caller hands its scatterlist over to us.
-                self.sg_owned = true;
-                Outcome::Done
+    /// The pages are mapped. If the callback fired meanwhile the mapping is
+    /// handed back for the caller to undo, and the call must fail.
+    pub(crate) fn map_succeeded(&mut self, map: R::Map) -> Result<(), R::Map> {
+        match self.take() {
+            State::Mapping(p, ctx) => {
+                self.state = State::Mapped(p, ctx, map);
+                Ok(())
             }
-            _ => Outcome::Revoked,
+            s => {
+                self.state = s;
+                Err(map)
+            }
         }
     }
 
-    fn take_sg(&mut self) -> bool {
-        core::mem::replace(&mut self.sg_owned, false)
-    }
-
-    /// `dma_unmap`: idempotent; never touches provider objects after a revoke.
-    pub(crate) fn unmap(&mut self) -> Teardown {
-        match self.phase {
-            Phase::Mapped => {
-                self.phase = Phase::Pinned;
-                Teardown {
-                    free_sg: self.take_sg(),
-                    // A non-persistent mapping is torn down by the provider's
-                    // unpin, which (unlike its unmap) is safe against a free
-                    // callback racing with us.
-                    unmap_provider: !self.invalidating,
-                    unpin_provider: false,
-                }
+    /// `dma_unmap`: idempotent. Hands back the mapping to undo, also after a
+    /// revoke (it is the client's own, never the provider's).
+    pub(crate) fn unmap(&mut self) -> Option<R::Map> {
+        match self.take() {
+            State::Mapped(p, ctx, m) => {
+                self.state = State::Bound(p, ctx);
+                Some(m)
             }
-            Phase::Revoked => Teardown {
-                free_sg: self.take_sg(),
-                ..Teardown::default()
-            },
-            _ => Teardown::default(),
+            State::Revoked(m) => {
+                self.state = State::Revoked(None);
+                m
+            }
+            s => {
+                self.state = s;
+                None
+            }
         }
     }
 
     /// `put_pages`: the same as [`Lifecycle::unmap`]; the unpin itself waits
-    /// for `release`. The core may call `put_pages` (and `dma_unmap`) with its
-    /// per-registration mapping lock held — on legacy cores from deregistration,
-    /// on all cores when unwinding a failed `dma_map` — while the GPU driver
-    /// holds its own lock around the free callback, which needs the mapping
-    /// lock: unpinning there would invert the two (MLNX_OFED bug 2696789).
-    /// `release` always runs without the mapping lock.
-    pub(crate) fn put_pages(&mut self) -> Teardown {
+    /// for `release`. The core may call `put_pages` with the registration's
+    /// mapping lock held (legacy cores from their invalidate, every core when
+    /// unwinding a failed `dma_map`) while the GPU driver holds its own lock
+    /// around the free callback, which waits for that mapping lock:
+    /// unpinning there would invert the two (MLNX_OFED bug 2696789).
+    /// `release` never runs under the mapping lock.
+    pub(crate) fn put_pages(&mut self) -> Option<R::Map> {
         self.unmap()
     }
 
-    fn unpin(&mut self) -> Teardown {
-        match self.phase {
-            Phase::Pinned | Phase::Mapped => {
-                let mapped = self.phase == Phase::Mapped;
-                self.phase = Phase::Unpinned;
-                Teardown {
-                    free_sg: self.take_sg(),
-                    unmap_provider: mapped && !self.invalidating,
-                    unpin_provider: true,
+    /// The GPU driver's free callback. The callback consumes its own
+    /// reference: every token still held is dropped here, never reclaimed.
+    /// Returns what to do and the pin's table, which the provider frees as
+    /// soon as the callback returns (the caller only drops the handle).
+    pub(crate) fn invalidate(&mut self) -> (Invalidate, Option<R::Table>) {
+        let (next, action, table) = match self.take() {
+            State::Pinning => (State::Revoked(None), Invalidate::Quiet, None),
+            State::Pinned(p) | State::Unusable(p) => {
+                (State::Revoked(None), Invalidate::Quiet, Some(p.table))
+            }
+            State::Bound(p, ctx) | State::Mapping(p, ctx) => (
+                State::Revoked(None),
+                Invalidate::NotifyCore(ctx),
+                Some(p.table),
+            ),
+            State::Mapped(p, ctx, m) => (
+                State::Revoked(Some(m)),
+                Invalidate::NotifyCore(ctx),
+                Some(p.table),
+            ),
+            // The unpin raced with us: it must not reclaim the token.
+            State::Unpinning(_, persistent) => {
+                (State::Unpinning(None, persistent), Invalidate::Quiet, None)
+            }
+            State::Stranded(_) => (
+                State::Released,
+                Invalidate::Reaped { orphaned: false },
+                None,
+            ),
+            State::Orphaned(t, _) => (
+                State::Released,
+                Invalidate::Reaped { orphaned: true },
+                Some(t),
+            ),
+            s => (s, Invalidate::Quiet, None),
+        };
+        self.state = next;
+        (action, table)
+    }
+
+    /// The mapping the core holds, while mapped.
+    pub(crate) fn map(&self) -> Option<&R::Map> {
+        match &self.state {
+            State::Mapped(_, _, m) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// After the core's invalidate returned: the client's mapping, if the
+    /// core did not undo it from inside its invalidate.
+    pub(crate) fn revoked_map(&mut self) -> Option<R::Map> {
+        match &mut self.state {
+            State::Revoked(m) => m.take(),
+            _ => None,
+        }
+    }
+
+    /// `release`, called by `tgid`: undo whatever the core left, unpin if
+    /// this process may, and end.
+    pub(crate) fn release(&mut self, tgid: u32) -> Release<R> {
+        let (pin, map) = match self.take() {
+            State::Pinned(p) | State::Unusable(p) | State::Bound(p, _) => (p, None),
+            State::Mapped(p, _, m) => (p, Some(m)),
+            State::Revoked(m) => {
+                return Release {
+                    map: m,
+                    ..Release::default()
                 }
             }
-            Phase::Revoked => Teardown {
-                free_sg: self.take_sg(),
-                ..Teardown::default()
-            },
-            _ => Teardown::default(),
-        }
-    }
-
-    /// The provider's unpin returned. Returns whether the caller must drop the
-    /// reference the free callback would have consumed: after the provider's
-    /// unpin returns, its callback has either run to completion or never will.
-    pub(crate) fn unpinned(&mut self) -> bool {
-        // INVARIANT: disarmed exactly once, here or in `invalidate`.
-        core::mem::replace(&mut self.callback_armed, false)
-    }
-
-    /// The GPU driver's free callback. The callback consumes its own
-    /// reference, so the unpin path must no longer drop it.
-    pub(crate) fn invalidate(&mut self) -> Invalidate {
-        self.callback_fired = true;
-        // INVARIANT: disarmed exactly once, here or in `unpinned`.
-        self.callback_armed = false;
-        match self.phase {
-            Phase::Pinning | Phase::Pinned | Phase::Mapping | Phase::Mapped => {
-                self.phase = Phase::Revoked;
-                Invalidate::NotifyCore
-            }
-            _ => Invalidate::Quiet,
-        }
-    }
-
-    /// `release`: the unpin the core did not do, then the end.
-    pub(crate) fn release(&mut self) -> Teardown {
-        match self.phase {
             // The core never releases in the middle of its own call.
-            Phase::Mapping | Phase::Pinning => Teardown::default(),
-            _ => self.unpin(),
+            s @ (State::Pinning | State::Mapping(..)) => {
+                self.state = s;
+                return Release::default();
+            }
+            State::Acquired | State::Released => return Release::default(),
+            s => {
+                self.state = s;
+                return Release::default();
+            }
+        };
+        match pin.token {
+            // The GPU driver looks a non-persistent pin up by the caller's
+            // process: from another one its unpin "succeeds" and does nothing
+            // (real-driver-behaviour.md, fact 7). Leave the pin and the token
+            // to the callback.
+            Some(token) if pin.owner != tgid => {
+                self.state = State::Orphaned(pin.table, token);
+                Release {
+                    map,
+                    unpin: None,
+                    orphaned: true,
+                }
+            }
+            token => {
+                let persistent = token.is_none();
+                self.state = State::Unpinning(token, persistent);
+                Release {
+                    map,
+                    unpin: Some(pin.table),
+                    orphaned: false,
+                }
+            }
         }
     }
 
-    /// The release path finished its provider calls.
-    pub(crate) fn released(&mut self) {
-        self.phase = Phase::Released;
+    /// The provider's unpin returned (`ok`: it said so). Returns the token to
+    /// reclaim, only when the unpin succeeded and the callback did not run.
+    pub(crate) fn unpinned(&mut self, ok: bool) -> (Unpinned, Option<R::Token>) {
+        match self.take() {
+            State::Unpinning(Some(t), _) if ok => (Unpinned::Reclaim, Some(t)),
+            // A failed unpin leaves the callback armed (fact 8): keep its
+            // reference where it is; the callback ends the pin later.
+            State::Unpinning(Some(t), _) => {
+                self.state = State::Stranded(t);
+                (Unpinned::Stranded, None)
+            }
+            State::Unpinning(None, true) if ok => (Unpinned::Persistent, None),
+            State::Unpinning(None, true) => (Unpinned::Leaked, None),
+            State::Unpinning(None, false) => (Unpinned::Raced, None),
+            s => {
+                self.state = s;
+                (Unpinned::Raced, None)
+            }
+        }
     }
 }

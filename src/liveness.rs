@@ -1,33 +1,41 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! A reference on this module per live registration: `rmmod` is refused
-//! while registrations live, and the debugfs count of them stays exact.
+//! A reference on this module per registration object: `rmmod` is refused
+//! while any registration (or a free callback's reference on one) lives.
 
 use kernel::{
     bindings,
-    sync::atomic::Relaxed, //
+    prelude::*, //
 };
 
-use crate::stats::STATS;
-
-/// Holds a reference on this module, and counts one live registration, for
-/// as long as it lives.
+/// Holds a reference on this module for as long as it lives.
+///
+/// # Invariants
+///
+/// A reference on this module was taken by `try_module_get` and is dropped
+/// exactly once, in `Drop`.
 pub(crate) struct Liveness(());
 
 impl Liveness {
-    pub(crate) fn new() -> Self {
-        // SAFETY: THIS_MODULE is live (we are running its code); the count is
-        // dropped in `Drop`.
-        unsafe { bindings::__module_get(crate::this_module()) };
-        STATS.live.add(1, Relaxed);
-        Liveness(())
+    /// Takes a module reference; fails while the module is being removed
+    /// (a registration then must not start: its callback could outlive the
+    /// module's code).
+    pub(crate) fn new() -> Result<Self> {
+        // SAFETY: THIS_MODULE is a valid module (we are running its code);
+        // `try_module_get` refuses once it is going.
+        if !unsafe { bindings::try_module_get(crate::this_module()) } {
+            return Err(ENODEV);
+        }
+        // INVARIANT: the reference was taken above.
+        Ok(Liveness(()))
     }
 }
 
 impl Drop for Liveness {
     fn drop(&mut self) {
-        STATS.live.fetch_sub(1, Relaxed);
-        // SAFETY: taken in `new`.
+        // SAFETY: taken in `new` (type invariant). When this is the last
+        // reference, the caller is the module's reap work or a core call,
+        // both of which the module's exit waits for (see `reaper`).
         unsafe { bindings::module_put(crate::this_module()) };
     }
 }

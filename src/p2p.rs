@@ -108,10 +108,10 @@ pub(crate) trait Revocable: Send + Sync {
 ///
 /// # Invariants
 ///
-/// The pointer came from `Arc::into_raw` and belongs to the provider: the
-/// free callback consumes it, or [`ArmedCallback::reclaim`] takes it back
-/// after an unpin that the callback did not race. Dropping the token leaves
-/// the reference where it is.
+/// The pointer came from `Arc::into_raw` (kept as returned, with its
+/// provenance) and belongs to the provider: the free callback consumes it, or
+/// [`ArmedCallback::reclaim`] takes it back after an unpin that the callback
+/// did not race. Dropping the token leaves the reference where it is.
 pub(crate) struct ArmedCallback<T: Revocable>(NonNull<T>);
 
 // SAFETY: the token only carries a pointer to a `Send + Sync` owner.
@@ -122,13 +122,22 @@ impl<T: Revocable> ArmedCallback<T> {
     ///
     /// # Safety
     ///
-    /// The pages were unpinned and the free callback did not run, so it never
-    /// will (the provider returned from the unpin).
+    /// The provider unpinned the pages (in the pinning process, with success)
+    /// and the free callback did not run, so it never will: the provider
+    /// looks the pin up under the lock it holds across the callback
+    /// (real-driver-behaviour.md, facts 2 and 8).
     pub(crate) unsafe fn reclaim(self) -> Arc<T> {
         // SAFETY: from `Arc::into_raw` (type invariant), and no longer the
         // provider's (caller).
         unsafe { Arc::from_raw(self.0.as_ptr()) }
     }
+}
+
+/// Where the free callback hands its reference when it is done with it.
+pub(crate) trait Reaper<T: Revocable> {
+    /// Drops `owner` later, from code the module owns and waits for at exit,
+    /// so that the callback never drops the last module reference itself.
+    fn reap(owner: Arc<T>);
 }
 
 /// The free callback given to `nvidia_p2p_get_pages`.
@@ -137,11 +146,12 @@ impl<T: Revocable> ArmedCallback<T> {
 ///
 /// `data` is the reference that [`get_pages`] gave the provider; the provider
 /// calls this at most once, and only while the pin is armed.
-unsafe extern "C" fn free_trampoline<T: Revocable>(data: *mut c_void) {
+unsafe extern "C" fn free_trampoline<T: Revocable, D: Reaper<T>>(data: *mut c_void) {
     // SAFETY: the provider hands back the reference given in `get_pages`; it
     // is consumed here (the owner's lifecycle then never reclaims it).
     let owner = unsafe { Arc::from_raw(data.cast::<T>().cast_const()) };
     owner.revoke();
+    D::reap(owner);
 }
 
 fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
@@ -163,7 +173,7 @@ pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
 /// Pins `range` with a free callback that calls `owner.revoke()` when the GPU
 /// driver frees the pages; the provider holds a reference of its own on
 /// `owner` meanwhile. The callback may run before this returns.
-pub(crate) fn get_pages<T: Revocable>(
+pub(crate) fn get_pages<T: Revocable, D: Reaper<T>>(
     range: &GpuRange,
     owner: &Arc<T>,
 ) -> Result<(PageTable, ArmedCallback<T>)> {
@@ -178,13 +188,14 @@ pub(crate) fn get_pages<T: Revocable>(
             range.start,
             range.len,
             &mut pt,
-            Some(free_trampoline::<T>),
+            Some(free_trampoline::<T, D>),
             raw.cast_mut().cast::<c_void>(),
         )
     };
     match table_from(rc, pt) {
-        // INVARIANT: `raw` came from `Arc::into_raw` and the provider holds it.
-        Ok(t) => Ok((t, ArmedCallback(NonNull::from(owner.as_ref())))),
+        // INVARIANT: `raw` came from `Arc::into_raw` (non-null) and the
+        // provider holds it.
+        Ok(t) => Ok((t, ArmedCallback(NonNull::new(raw.cast_mut()).ok_or(EIO)?))),
         Err(e) => {
             // SAFETY: the provider refused and did not keep the callback: the
             // reference taken above is ours again.
@@ -226,10 +237,47 @@ impl PageTable {
         Ok(t.entries)
     }
 
+    /// Bus address of each pinned page, and whether the table describes
+    /// coherent (C2C) memory rather than BAR1 pages.
+    ///
+    /// # Safety
+    ///
+    /// The table must still be valid, checked by [`PageTable::check`], and
+    /// stay valid while the returned view is used.
+    pub(crate) unsafe fn pages(&self) -> PageView<'_> {
+        // SAFETY: valid per the caller's guarantee.
+        let t = unsafe { self.0.as_ref() };
+        // Version 2 tables carry `flags` right after the public fields
+        // (nv-p2p.h 580+); version 1 tables have none.
+        let coherent = t.version >> 16 >= 2 && {
+            // SAFETY: a version 2 table is at least as large as
+            // `nvidia_p2p_page_table` with its `flags` field, per the version.
+            let flags = unsafe {
+                self.0
+                    .as_ptr()
+                    .cast::<u8>()
+                    .add(PAGE_TABLE_V2_FLAGS_OFFSET)
+                    .cast::<u32>()
+                    .read_unaligned()
+            };
+            flags & PAGE_TABLE_FLAGS_CPU_CACHEABLE != 0
+        };
+        PageView {
+            pages: t.pages,
+            entries: t.entries as usize,
+            coherent,
+            _table: core::marker::PhantomData,
+        }
+    }
+
     /// Unpins a non-persistent table. Safe against a racing free callback:
-    /// the provider looks the table up under its own lock and returns 0 if the
-    /// callback already unlinked it; once this returns, the callback has run
-    /// to completion or never will.
+    /// the provider looks the pin up under the lock it holds across the
+    /// callback and returns 0 if the callback already unlinked it. What a
+    /// return of 0 does not prove: the provider finds the pin by the
+    /// *caller's process* and also returns 0, unpinning nothing, when called
+    /// from another one (real-driver-behaviour.md, fact 7); and an error
+    /// leaves the pin and its callback armed (fact 8). Only a 0 from the
+    /// pinning process means the callback has run or never will.
     ///
     /// # Safety
     ///
@@ -289,6 +337,47 @@ impl PageTable {
             return Err(provider_error(rc));
         }
         Ok(())
+    }
+}
+
+/// Offset of `flags` in a version 2 page table (after `gpu_uuid`).
+const PAGE_TABLE_V2_FLAGS_OFFSET: usize = 32;
+/// `NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE` (nv-p2p.h 580+).
+const PAGE_TABLE_FLAGS_CPU_CACHEABLE: u32 = 1;
+
+/// The pages of a checked page table, borrowed from it.
+pub(crate) struct PageView<'a> {
+    pages: *mut *mut ffi::nvidia_p2p_page,
+    entries: usize,
+    coherent: bool,
+    _table: core::marker::PhantomData<&'a PageTable>,
+}
+
+impl PageView<'_> {
+    /// Number of 64 KiB pages.
+    pub(crate) fn len(&self) -> usize {
+        self.entries
+    }
+
+    /// Whether the memory is coherent system memory (Grace Hopper and later
+    /// C2C platforms) rather than BAR1 pages.
+    pub(crate) fn coherent(&self) -> bool {
+        self.coherent
+    }
+
+    /// Physical (bus) address of page `i`, or `None` past the end.
+    pub(crate) fn physical_address(&self, i: usize) -> Option<u64> {
+        if i >= self.entries || self.pages.is_null() {
+            return None;
+        }
+        // SAFETY: a checked table holds `entries` page pointers, valid while
+        // the table is (the view borrows it).
+        let page = unsafe { *self.pages.add(i) };
+        if page.is_null() {
+            return None;
+        }
+        // SAFETY: as above.
+        Some(unsafe { (*page).physical_address })
     }
 }
 

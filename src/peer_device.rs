@@ -30,6 +30,16 @@ pub(crate) struct PeerDevice {
 // which may be called from any thread; the core keeps the device alive.
 unsafe impl Send for PeerDevice {}
 
+impl Clone for PeerDevice {
+    fn clone(&self) -> Self {
+        // INVARIANT: the same device, alive under the same condition.
+        Self {
+            dev: self.dev,
+            pdev: self.pdev,
+        }
+    }
+}
+
 impl PeerDevice {
     /// The PCI device behind `dev`; `None` when `dev` is NULL or not PCI.
     ///
@@ -50,6 +60,11 @@ impl PeerDevice {
     pub(crate) fn max_segment(&self) -> u64 {
         // SAFETY: `dev` is alive (type invariant).
         u64::from(unsafe { ffi::peermem_dma_max_seg_size(self.dev.as_ptr()) })
+    }
+
+    /// The generic device, for the kernel's DMA API.
+    pub(crate) fn dev(&self) -> *mut device {
+        self.dev.as_ptr()
     }
 
     /// The `pci_dev` for NVIDIA's DMA API.

@@ -18,6 +18,7 @@ use kernel::{
     prelude::*,
 };
 
+mod bar_map;
 mod client;
 mod coalesce;
 mod core_link;
@@ -26,7 +27,9 @@ mod lifecycle;
 mod liveness;
 mod p2p;
 mod peer_device;
+mod provider_map;
 mod range;
+mod reaper;
 mod registration;
 mod sg;
 mod stats;
@@ -94,9 +97,11 @@ pub(crate) fn this_module() -> *mut bindings::module {
 ///
 /// Fields drop in declaration order: the clients unregister first (the core
 /// waits for their registrations, which hold module references, so none is
-/// left), then the statistics go.
+/// left), then the reap queue drains (a free callback's last drop may still be
+/// returning from its work), then the statistics go.
 struct NvidiaPeermem {
     _clients: KVec<CoreRegistration>,
+    _reaper: reaper::ReapQueue,
     _stats: Pin<KBox<File<()>>>,
     _dir: Dir,
 }
@@ -130,6 +135,7 @@ impl kernel::Module for NvidiaPeermem {
             dir.read_callback_file(c"stats", (), &show_stats),
             GFP_KERNEL,
         )?;
+        let reaper = reaper::ReapQueue::new()?;
         let mut clients = KVec::new();
         if persistent == 1 {
             clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
@@ -156,6 +162,7 @@ impl kernel::Module for NvidiaPeermem {
         );
         Ok(Self {
             _clients: clients,
+            _reaper: reaper,
             _stats: stats,
             _dir: dir,
         })

@@ -1,48 +1,59 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! One registration: pin → map → (revoke) → unmap → unpin → release.
+//! One registration: pin → bind → map → (revoke) → unmap → unpin → release.
 //!
 //! A registration is shared by the core (through `client_context`) and, in
 //! invalidating mode, by the GPU driver's free callback, each holding its own
 //! reference; it is freed when the last one goes, so `release` cannot free it
-//! under a running callback. Its [`Lifecycle`] decides, under a spinlock that
-//! is never held across a provider or core call, what each path may touch.
+//! under a running callback. Its [`Lifecycle`] owns every provider object and
+//! decides, under a spinlock that is never held across a provider or core
+//! call, who may use which.
 
 use kernel::{
     bindings,
+    new_condvar,
     new_spinlock,
     prelude::*,
     sync::{
         atomic::Relaxed,
         Arc,
+        CondVar,
         SpinLock, //
-    }, //
+    },
+    workqueue::{
+        impl_has_work,
+        new_work,
+        Work,
+        WorkItem, //
+    },
 };
 
 use crate::{
+    bar_map::BarMap,
     core_link::CoreLink,
     lifecycle::{
         Invalidate,
         Lifecycle,
-        Outcome,
-        Phase,
+        Pin,
         Refusal,
-        Teardown, //
+        Resources,
+        Unpinned, //
     },
     liveness::Liveness,
     p2p::{
         self,
         ArmedCallback,
-        DmaMapping,
         PageTable,
         Revocable, //
     },
     peer_device::PeerDevice,
+    provider_map::ProviderMap,
     range::{
         self,
         GpuRange,
         GPU_PAGE_SIZE, //
     },
+    reaper::Deferred,
     sg::SgTable,
     stats::{
         fail,
@@ -62,28 +73,47 @@ pub(crate) enum Mode {
     Invalidating,
 }
 
+/// The device mapping behind the scatterlist the core holds.
+pub(crate) enum DeviceMap {
+    /// The client's own mapping of BAR pages (non-persistent pins).
+    Bar(BarMap),
+    /// The GPU driver's mapping (persistent pins).
+    Provider(ProviderMap),
+}
+
+impl DeviceMap {
+    fn sg(&self) -> &SgTable {
+        match self {
+            DeviceMap::Bar(m) => m.sg(),
+            DeviceMap::Provider(m) => m.sg(),
+        }
+    }
+}
+
+/// The objects a registration's lifecycle owns.
+pub(crate) struct Held;
+
+impl Resources for Held {
+    type Table = PageTable;
+    type Token = ArmedCallback<Registration>;
+    type Map = DeviceMap;
+}
+
 struct Inner {
-    lc: Lifecycle,
-    table: Option<PageTable>,
-    mapping: Option<DmaMapping>,
-    peer: Option<PeerDevice>,
-    /// The provider's reference on us while its free callback is armed.
-    callback: Option<ArmedCallback<Registration>>,
-    sg: Option<SgTable>,
-    core_context: Option<u64>,
+    lc: Lifecycle<Held>,
     /// The provider refused to pin a range that is its memory (BAR1
     /// exhausted, ...): reported by `get_pages` as the errno it is, instead of
     /// the core's "Bad address" for memory nobody claimed.
     pin_error: Option<Error>,
+    /// The task whose free callback is inside the core's invalidate for this
+    /// registration; `release` waits until it is out.
+    in_core: Option<usize>,
+    /// A `dma_map` is reading the page table; a free callback waits until
+    /// it is done before returning (the provider frees the table then).
+    mapper: bool,
 }
 
 /// One registration of a GPU range with the peer-memory core.
-///
-/// # Invariants
-///
-/// `inner.table` is `Some` exactly while the lifecycle says the client holds
-/// a pin (Pinned, Mapping, Mapped); `inner.sg` is `Some` exactly while the
-/// lifecycle says the client owns a scatterlist.
 #[pin_data]
 pub(crate) struct Registration {
     mode: Mode,
@@ -91,12 +121,43 @@ pub(crate) struct Registration {
     link: Option<&'static CoreLink>,
     #[pin]
     inner: SpinLock<Inner>,
+    /// Signalled when a free callback leaves the core, and when a `dma_map`
+    /// stops reading the page table.
+    #[pin]
+    core_left: CondVar,
+    /// Drops the free callback's reference from the module's queue.
+    #[pin]
+    reap: Work<Registration>,
     _live: Liveness,
 }
 
-/// Bytes that `range` pins.
-fn pinned(range: &GpuRange) -> u64 {
-    range.len
+impl_has_work! {
+    impl HasWork<Self> for Registration { self.reap }
+}
+
+impl WorkItem for Registration {
+    type Pointer = Arc<Registration>;
+
+    fn run(this: Arc<Registration>) {
+        drop(this);
+    }
+}
+
+/// The calling process, as the GPU driver identifies a pin's owner.
+fn current_tgid() -> u32 {
+    kernel::current!().tgid() as u32
+}
+
+/// The calling task, compared only.
+fn current_task() -> usize {
+    kernel::current!().as_ptr() as usize
+}
+
+fn refused(r: Refusal, call: &str) -> Error {
+    match r {
+        Refusal::Revoked => fail!(Cause::Revoked, EFAULT, "GPU memory freed before {call}"),
+        Refusal::Forbidden(p) => fail!(Cause::Order, EINVAL, "{call} in phase {p:?}"),
+    }
 }
 
 impl Registration {
@@ -118,27 +179,25 @@ impl Registration {
                     "refused range {addr:#x}+{size:#x}: {e:?}"
                 )
             })?;
-        let invalidating = mode == Mode::Invalidating;
+        let live = Liveness::new()?;
         let reg = Arc::pin_init(
             pin_init!(Self {
                 mode,
                 range,
                 link,
                 inner <- new_spinlock!(Inner {
-                    lc: Lifecycle::new(invalidating),
-                    table: None,
-                    mapping: None,
-                    peer: None,
-                    callback: None,
-                    sg: None,
-                    core_context: None,
+                    lc: Lifecycle::new(),
                     pin_error: None,
+                    in_core: None,
+                    mapper: false,
                 }),
-                _live: Liveness::new(),
+                core_left <- new_condvar!(),
+                reap <- new_work!("Registration::reap"),
+                _live: live,
             }),
             GFP_KERNEL,
         )?;
-        match reg.pin() {
+        let claimed = match reg.pin() {
             Ok(()) => Ok(reg),
             // Not GPU memory, or not this process's: not ours.
             Err(e) if e == EINVAL || e == EOPNOTSUPP || e == EFAULT => Err(e),
@@ -147,17 +206,33 @@ impl Registration {
                 reg.inner.lock().pin_error = Some(e);
                 Ok(reg)
             }
+        };
+        if claimed.is_ok() {
+            // The core holds it from now until `release`.
+            STATS.live.add(1, Relaxed);
         }
+        claimed
     }
 
     fn pin(self: &Arc<Self>) -> Result {
         self.inner.lock().lc.start_pin().map_err(|_| EINVAL)?;
-        let pinned_table = match self.mode {
-            Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|t| (t, None)),
-            Mode::Invalidating => p2p::get_pages(&self.range, self).map(|(t, cb)| (t, Some(cb))),
+        let owner = current_tgid();
+        let pinned = match self.mode {
+            Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|table| Pin {
+                table,
+                token: None,
+                owner,
+            }),
+            Mode::Invalidating => {
+                p2p::get_pages::<Self, Deferred>(&self.range, self).map(|(table, cb)| Pin {
+                    table,
+                    token: Some(cb),
+                    owner,
+                })
+            }
         };
-        let (table, callback) = match pinned_table {
-            Ok(t) => t,
+        let pin = match pinned {
+            Ok(p) => p,
             Err(e) => {
                 self.inner.lock().lc.pin_failed();
                 reg_dbg!(
@@ -168,19 +243,15 @@ impl Registration {
                 return Err(e);
             }
         };
-        let mut g = self.inner.lock();
-        match g.lc.pin_succeeded() {
-            Outcome::Done => {
-                // INVARIANT: pinned, so the table goes in.
-                g.table = Some(table);
-                g.callback = callback;
-                drop(g);
-                STATS.pinned_bytes.add(pinned(&self.range), Relaxed);
+        let took = self.inner.lock().lc.pin_succeeded(pin);
+        match took {
+            Ok(()) => {
+                STATS.pinned_bytes.add(self.range.len, Relaxed);
                 Ok(())
             }
-            // The callback already ran and consumed the provider's reference:
-            // `callback` is dropped without reclaiming it.
-            Outcome::Revoked => Err(fail!(
+            // The callback already ran and consumed the provider's reference;
+            // the table is the provider's to free: drop our handles only.
+            Err(_) => Err(fail!(
                 Cause::Revoked,
                 EFAULT,
                 "GPU memory freed while pinning"
@@ -199,44 +270,27 @@ impl Registration {
             ));
         }
         let mut g = self.inner.lock();
-        let checked = match (g.lc.phase(), g.table.as_ref()) {
-            // SAFETY: pinned and not revoked: a free callback that comes now
-            // sees `core_context` and waits on the core's mapping lock, which
-            // the core holds during `get_pages`, so the table stays valid.
-            (Phase::Pinned, Some(t)) => unsafe { t.check(&self.range) }.map_err(Some),
-            (Phase::Revoked, _) => Err(None),
-            (Phase::Acquired, _) if g.pin_error.is_some() => {
-                let e = g.pin_error.unwrap_or(EIO);
-                drop(g);
-                return Err(fail!(
-                    Cause::Pin,
-                    e,
-                    "the GPU driver could not pin {:#x}+{:#x}",
-                    self.range.start,
-                    self.range.len
-                ));
-            }
-            (p, _) => {
-                drop(g);
-                return Err(fail!(Cause::Order, EINVAL, "get_pages in phase {p:?}"));
-            }
+        if let Some(e) = g.pin_error {
+            return Err(fail!(
+                Cause::Pin,
+                e,
+                "the GPU driver could not pin {:#x}+{:#x}",
+                self.range.start,
+                self.range.len
+            ));
+        }
+        let checked = match g.lc.pinned_table() {
+            // SAFETY: Pinned, so the table is ours. A free callback must take
+            // this lock to revoke, and the provider frees the table only after
+            // the callback returns: it is valid while the lock is held.
+            Ok(t) => unsafe { t.check(&self.range) },
+            Err(r) => return Err(refused(r, "get_pages")),
         };
         match checked {
-            Ok(_) => {
-                g.core_context = Some(core_context);
-                Ok(())
-            }
-            Err(None) => {
-                drop(g);
-                Err(fail!(
-                    Cause::Revoked,
-                    EFAULT,
-                    "GPU memory freed before get_pages"
-                ))
-            }
-            Err(Some(m)) => {
-                drop(g);
-                // `release` unpins.
+            Ok(_) => g.lc.bind(core_context).map_err(|r| refused(r, "get_pages")),
+            Err(m) => {
+                // `release` unpins; nothing else may use this table.
+                g.lc.reject();
                 Err(fail!(
                     Cause::PageTable,
                     EOPNOTSUPP,
@@ -267,164 +321,185 @@ impl Registration {
                 "dma_device is not a PCI device"
             ));
         };
-        let table_ptr = {
+        let table = {
             let mut g = self.inner.lock();
-            if let Err(r) = g.lc.start_map() {
-                drop(g);
-                return Err(match r {
-                    Refusal::Revoked => {
-                        fail!(Cause::Revoked, EFAULT, "GPU memory freed before dma_map")
-                    }
-                    Refusal::Forbidden(p) => fail!(Cause::Order, EINVAL, "dma_map in phase {p:?}"),
-                });
+            match g.lc.start_map() {
+                Ok(t) => {
+                    // SAFETY: Bound became Mapping, so the table is pinned
+                    // and was checked by `get_pages`. It stays valid until
+                    // `mapper` is cleared: a free callback that comes
+                    // meanwhile waits for that in `revoke` before it returns,
+                    // and the provider frees the table only after its
+                    // callback returns (real-driver-behaviour.md, fact 2;
+                    // scenario `free_races_registration`, and the OFED 4.x
+                    // mode, whose core holds no lock across `dma_map`). The
+                    // alias does not outlive this call, except inside a
+                    // persistent mapping, whose table is unpinned only after
+                    // the mapping is dropped.
+                    let t = unsafe { t.alias() };
+                    g.mapper = true;
+                    t
+                }
+                Err(r) => return Err(refused(r, "dma_map")),
             }
-            // SAFETY: the lifecycle says Mapping, so the pin is ours (type
-            // invariant); a free callback cannot complete (so the provider
-            // cannot free the table) while the core holds this registration's
-            // mapping lock, which it does during `dma_map`.
-            g.table.as_ref().map(|t| unsafe { t.alias() })
         };
-        let Some(table) = table_ptr else {
-            self.inner.lock().lc.map_failed();
-            return Err(EINVAL);
-        };
-        // SAFETY: as above; `peer` is live (type invariant).
-        let mapping = match unsafe { table.dma_map(peer.pci()) } {
+        let made = self.map_pages(table, peer);
+        let mut g = self.inner.lock();
+        g.mapper = false;
+        self.core_left.notify_all();
+        let map = match made {
             Ok(m) => m,
             Err(e) => {
-                self.inner.lock().lc.map_failed();
-                return Err(fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"));
-            }
-        };
-        let entries = self.range.pages(GPU_PAGE_SIZE) as u32;
-        // SAFETY: the mapping is valid for the same reason as the table.
-        let built = match unsafe { mapping.addresses(entries) } {
-            Err(m) => Err(fail!(
-                Cause::DmaMapping,
-                EOPNOTSUPP,
-                "unsupported NVIDIA DMA mapping: {m:?}"
-            )),
-            Ok(addrs) => SgTable::build(addrs, GPU_PAGE_SIZE, peer.max_segment())
-                .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist")),
-        };
-        let sg = match built {
-            Ok(sg) => sg,
-            Err(e) => {
-                // SAFETY: valid as above; undo our own mapping.
-                let _ = unsafe { table.dma_unmap(peer.pci(), mapping) };
-                self.inner.lock().lc.map_failed();
+                g.lc.map_failed();
                 return Err(e);
             }
         };
-        let nents = sg.nents();
-        let mut g = self.inner.lock();
-        match g.lc.map_succeeded() {
-            Outcome::Done => {
-                // SAFETY: `sg_head` is the core's table (caller).
-                unsafe { sg.publish(sg_head) };
-                g.sg = Some(sg);
-                g.mapping = Some(mapping);
-                g.peer = Some(peer);
-                drop(g);
-                STATS.registrations.add(1, Relaxed);
-                STATS.sg_entries.add(u64::from(nents), Relaxed);
-                reg_dbg!(
-                    "mapped {:#x}+{:#x}: {nents} entries",
-                    self.range.start,
-                    self.range.len
-                );
-                Ok(nents)
+        if let Err(map) = g.lc.map_succeeded(map) {
+            drop(g);
+            // Our own mapping: undone here, the device never saw it.
+            drop(map);
+            return Err(fail!(
+                Cause::Revoked,
+                EFAULT,
+                "GPU memory freed while mapping"
+            ));
+        }
+        let nents = g.lc.map().map_or(0, |m| {
+            // SAFETY: `sg_head` is the core's table (caller).
+            unsafe { m.sg().publish(sg_head) };
+            m.sg().nents()
+        });
+        drop(g);
+        STATS.registrations.add(1, Relaxed);
+        STATS.sg_entries.add(u64::from(nents), Relaxed);
+        reg_dbg!(
+            "mapped {:#x}+{:#x}: {nents} entries",
+            self.range.start,
+            self.range.len
+        );
+        Ok(nents)
+    }
+
+    /// Maps the pages of `table` for `peer`: ourselves for non-persistent
+    /// pins (no lock of the GPU driver's is taken, see `bar_map`), through
+    /// the GPU driver for persistent ones.
+    fn map_pages(&self, table: PageTable, peer: PeerDevice) -> Result<DeviceMap> {
+        let entries = self.range.pages(GPU_PAGE_SIZE) as u32;
+        match self.mode {
+            Mode::Invalidating => {
+                // SAFETY: checked by `get_pages` and valid during `dma_map`
+                // (see there); the view does not outlive this block.
+                let pages = unsafe { table.pages() };
+                BarMap::new(&pages, &peer)
+                    .map(DeviceMap::Bar)
+                    .map_err(|e| match e {
+                        e if e == EOPNOTSUPP => fail!(
+                            Cause::PageTable,
+                            e,
+                            "coherent GPU memory cannot be mapped without the GPU driver's lock; use persistent_api_support=1"
+                        ),
+                        e => fail!(Cause::DmaMap, e, "mapping GPU BAR pages for the device failed"),
+                    })
             }
-            Outcome::Revoked => {
-                drop(g);
-                sg.free();
-                Err(fail!(
-                    Cause::Revoked,
-                    EFAULT,
-                    "GPU memory freed while mapping"
-                ))
-            }
+            // SAFETY: a persistent pin, unpinned only by `release` after the
+            // mapping is dropped (the lifecycle hands out the map first).
+            Mode::Persistent => unsafe { ProviderMap::new(table, entries, peer) }
+                .map(DeviceMap::Provider),
         }
     }
 
-    /// `dma_unmap`: idempotent; after a revoke it frees only our own memory.
+    /// `dma_unmap`: idempotent; undoes the client's mapping, also after a
+    /// revoke (it is ours, never the GPU driver's).
     pub(crate) fn dma_unmap(&self) {
-        let t = self.inner.lock().lc.unmap();
-        self.teardown(t);
+        let map = self.inner.lock().lc.unmap();
+        drop(map);
     }
 
-    /// `put_pages`: idempotent; the unpin waits for `release` (see
-    /// [`Lifecycle::put_pages`]); after a revoke it touches nothing of the
-    /// GPU driver's.
+    /// `put_pages`: as `dma_unmap`; the unpin waits for `release` (see
+    /// [`Lifecycle::put_pages`]).
     pub(crate) fn put_pages(&self) {
-        let t = self.inner.lock().lc.put_pages();
-        self.teardown(t);
+        let map = self.inner.lock().lc.put_pages();
+        drop(map);
     }
 
-    /// `release`: undoes whatever the core left, then the core's reference
-    /// goes with `self`.
+    /// `release`: undoes whatever the core left and unpins if this process
+    /// may; the core's reference goes with `self`. Returns only once no free
+    /// callback of this registration is inside the core (the core may free
+    /// what that callback uses once we return), unless the caller is that
+    /// callback (OFED 4.x releases from inside its invalidate).
     pub(crate) fn release(self: Arc<Self>) {
-        let t = self.inner.lock().lc.release();
-        self.teardown(t);
-        self.inner.lock().lc.released();
+        let me = current_task();
+        let r = {
+            let mut g = self.inner.lock();
+            while g.in_core.is_some_and(|t| t != me) {
+                self.core_left.wait(&mut g);
+            }
+            g.lc.release(current_tgid())
+        };
+        drop(r.map);
+        if r.orphaned {
+            STATS.foreign_releases.add(1, Relaxed);
+            STATS.orphaned_pins.add(1, Relaxed);
+            reg_dbg!(
+                "release of {:#x}+{:#x} in another process: the pin stays until the GPU memory is freed",
+                self.range.start,
+                self.range.len
+            );
+        }
+        if let Some(table) = r.unpin {
+            self.unpin(table);
+        }
+        STATS.live.fetch_sub(1, Relaxed);
         STATS.releases.add(1, Relaxed);
     }
 
-    /// Carries out what the lifecycle decided, outside the lock.
-    fn teardown(&self, t: Teardown) {
-        let (sg, mapping, peer, table, pinned_table) = {
-            let mut g = self.inner.lock();
-            let sg = if t.free_sg { g.sg.take() } else { None };
-            let undo_map = t.unmap_provider || t.unpin_provider;
-            let mapping = if undo_map { g.mapping.take() } else { None };
-            let peer = if undo_map { g.peer.take() } else { None };
-            let table = if t.unpin_provider {
-                g.table.take()
-            } else {
-                None
-            };
-            // SAFETY: still pinned (we only unmap); see `unmap_provider`.
-            let pinned_table = g.table.as_ref().map(|t| unsafe { t.alias() });
-            (sg, mapping, peer, table, pinned_table)
-        };
-        if let Some(sg) = sg {
-            sg.free();
-        }
-        if t.unmap_provider {
-            if let (Some(m), Some(p), Some(tb)) =
-                (mapping, peer, table.as_ref().or(pinned_table.as_ref()))
-            {
-                // SAFETY: `unmap_provider` is only decided for persistent
-                // pages (no free callback): the table and mapping are valid
-                // until we unpin, which comes after this.
-                if let Err(e) = unsafe { tb.dma_unmap(p.pci(), m) } {
-                    fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
-                }
-            }
-        }
-        let Some(table) = table else { return };
-        // SAFETY: pinned by `pin` for `self.range` in this mode, unpinned once
-        // (the lifecycle moved to Unpinned under the lock).
-        let r = unsafe {
+    /// Unpins at the provider and settles the callback's reference.
+    fn unpin(&self, table: PageTable) {
+        // SAFETY: pinned by `pin` for `self.range` in this mode and handed out
+        // once by the lifecycle, which hands a non-persistent table out only
+        // to the pinning process.
+        let res = unsafe {
             match self.mode {
                 Mode::Persistent => table.put_persistent(&self.range),
                 Mode::Invalidating => table.put(&self.range),
             }
         };
-        if let Err(e) = r {
-            fail!(Cause::Unpin, e, "unpinning GPU memory failed");
+        let (how, token) = self.inner.lock().lc.unpinned(res.is_ok());
+        let err = res.err().unwrap_or(EIO);
+        match how {
+            Unpinned::Reclaim | Unpinned::Persistent => {
+                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+            }
+            // The callback ended the pin first (and counted it).
+            Unpinned::Raced => (),
+            Unpinned::Stranded => {
+                STATS.stranded_pins.add(1, Relaxed);
+                fail!(
+                    Cause::Unpin,
+                    err,
+                    "nvidia_p2p_put_pages failed for {:#x}+{:#x}: the pin stays until the GPU memory is freed",
+                    self.range.start,
+                    self.range.len
+                );
+            }
+            Unpinned::Leaked => {
+                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+                STATS.leaked_pins.add(1, Relaxed);
+                fail!(
+                    Cause::Unpin,
+                    err,
+                    "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
+                    self.range.start,
+                    self.range.len
+                );
+            }
         }
-        STATS.pinned_bytes.fetch_sub(pinned(&self.range), Relaxed);
-        let armed = {
-            let mut g = self.inner.lock();
-            let disarmed = g.lc.unpinned();
-            g.callback.take().filter(|_| disarmed)
-        };
-        if let Some(cb) = armed {
-            // SAFETY: the provider's unpin returned and its callback never
-            // fired (the lifecycle says disarmed): the reference given to it
-            // in `pin` is ours to drop. It is not the last one: our caller
-            // holds another (the core's).
+        if let Some(cb) = token {
+            // SAFETY: the lifecycle hands the token out only after a
+            // successful unpin by the pinning process that its callback did
+            // not race: the provider unlinked the pin under the lock it holds
+            // across callbacks, so the callback never runs. Not the last
+            // reference: our caller holds the core's.
             drop(unsafe { cb.reclaim() });
         }
     }
@@ -432,37 +507,57 @@ impl Registration {
 
 impl Revocable for Registration {
     /// The GPU driver revoked the pages: tell the core, which stops the device
-    /// before we return (the provider frees everything right after).
+    /// before we return (the provider frees everything right after), then
+    /// undo our own mapping.
     fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
-        let (action, ctx) = {
+        let (action, had_pin) = {
             let mut g = self.inner.lock();
-            let a = g.lc.invalidate();
-            // INVARIANT: no longer pinned by us: the provider frees these
-            // as soon as this callback returns.
-            let was_pinned = g.table.take().is_some();
-            // The callback running now consumes the provider's reference.
-            g.callback = None;
-            g.mapping = None;
-            g.peer = None;
-            if was_pinned {
-                STATS.pinned_bytes.fetch_sub(pinned(&self.range), Relaxed);
+            // The table comes back only to be forgotten: the provider frees
+            // it once we return.
+            let (action, table) = g.lc.invalidate();
+            if let Invalidate::NotifyCore(_) = action {
+                g.in_core = Some(current_task());
             }
-            (a, g.core_context)
+            // A `dma_map` still reads the table: the provider frees it as
+            // soon as we return, so wait (it takes no lock of the provider's
+            // and sees the revoke when it finishes).
+            while g.mapper {
+                self.core_left.wait(&mut g);
+            }
+            (action, table.is_some())
         };
+        if had_pin || matches!(action, Invalidate::Reaped { .. }) {
+            STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+        }
         reg_dbg!(
             "free callback for {:#x}+{:#x}: {action:?}",
             self.range.start,
             self.range.len
         );
-        if action == Invalidate::NotifyCore {
-            if let (Some(ctx), Some(link)) = (ctx, self.link) {
-                // The core's invalidate takes mutexes: the GPU driver must
-                // call us from sleepable context (lockdep checks it).
-                kernel::task::might_sleep();
-                STATS.core_invalidations.add(1, Relaxed);
-                link.invalidate(ctx);
+        match action {
+            Invalidate::NotifyCore(ctx) => {
+                if let Some(link) = self.link {
+                    // The core's invalidate takes mutexes: the GPU driver must
+                    // call us from sleepable context (lockdep checks it).
+                    kernel::task::might_sleep();
+                    STATS.core_invalidations.add(1, Relaxed);
+                    link.invalidate(ctx);
+                }
+                // The device lost access; undo our mapping unless the core
+                // did from inside its invalidate (legacy cores).
+                let map = self.inner.lock().lc.revoked_map();
+                drop(map);
+                self.inner.lock().in_core = None;
+                self.core_left.notify_all();
             }
+            Invalidate::Reaped { orphaned: true } => {
+                STATS.orphaned_pins.fetch_sub(1, Relaxed);
+            }
+            Invalidate::Reaped { orphaned: false } => {
+                STATS.stranded_pins.fetch_sub(1, Relaxed);
+            }
+            Invalidate::Quiet => (),
         }
     }
 }

@@ -1,23 +1,24 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
 //! The scatterlist handed to the peer-memory core: one entry per
-//! DMA-contiguous run of GPU pages.
+//! DMA-contiguous segment of GPU pages.
 
 use kernel::{
     bindings,
     prelude::*, //
 };
 
-use crate::coalesce::Coalescer;
+use crate::coalesce::Segment;
 
 /// A scatterlist the client allocated and filled; the core holds a copy of
-/// its header while the registration is mapped.
+/// its header while the registration is mapped. Freed on drop.
 ///
 /// # Invariants
 ///
-/// `table` was set up by `sg_alloc_table` and is freed exactly once, by
-/// [`SgTable::free`]. Its entries carry only DMA fields (there are no
-/// `struct page`s behind GPU BAR memory).
+/// `table` is empty (all zero) or was set up by `sg_alloc_table`, and is freed
+/// exactly once, on drop (`sg_free_table` ignores an empty table).
+/// Its entries carry only DMA fields (there are no `struct page`s behind GPU
+/// BAR memory).
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
@@ -26,10 +27,18 @@ pub(crate) struct SgTable {
 unsafe impl Send for SgTable {}
 
 impl SgTable {
-    /// Builds a table with the segments of `addrs` (one bus address per page
-    /// of `page` bytes), merging contiguous pages up to `max_seg` bytes.
-    pub(crate) fn build(addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
-        let n = crate::coalesce::count(addrs, page, max_seg);
+    /// A table without entries.
+    pub(crate) fn empty() -> Self {
+        // INVARIANT: empty.
+        Self {
+            // SAFETY: an all-zero `sg_table` is the empty table.
+            table: unsafe { core::mem::zeroed() },
+        }
+    }
+
+    /// Builds a table of exactly `n` entries from `segs`, which must yield
+    /// `n` segments.
+    pub(crate) fn new(n: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
         let nents = u32::try_from(n).map_err(|_| EINVAL)?;
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
@@ -37,17 +46,16 @@ impl SgTable {
         kernel::error::to_result(unsafe {
             bindings::sg_alloc_table(&mut table, nents, bindings::GFP_KERNEL)
         })?;
-        // INVARIANT: allocated above; freed by `free` (or below on error).
+        // INVARIANT: allocated above; freed on drop (also on the error below).
         let this = Self { table };
         let mut sg = this.table.sgl;
-        for seg in Coalescer::new(addrs, page, max_seg) {
+        let mut filled = 0;
+        for seg in segs {
             if sg.is_null() {
-                // Unreachable: the table has exactly `count` entries.
-                this.free();
                 return Err(EINVAL);
             }
-            // The coalescer bounds every segment to `u32::MAX`.
-            let len = seg.len as u32;
+            // Segments are bounded to `u32::MAX` by their producers.
+            let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
             // SAFETY: `sg` is one of the table's `nents` entries.
             unsafe {
                 (*sg).offset = 0;
@@ -56,8 +64,19 @@ impl SgTable {
                 (*sg).dma_length = len;
                 sg = bindings::sg_next(sg);
             }
+            filled += 1;
+        }
+        if filled != n {
+            return Err(EINVAL);
         }
         Ok(this)
+    }
+
+    /// Builds a table with the segments of `addrs` (one bus address per page
+    /// of `page` bytes), merging contiguous pages up to `max_seg` bytes.
+    pub(crate) fn coalesced(addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
+        let n = crate::coalesce::count(addrs, page, max_seg);
+        Self::new(n, crate::coalesce::Coalescer::new(addrs, page, max_seg))
     }
 
     /// Number of entries.
@@ -74,11 +93,12 @@ impl SgTable {
         // SAFETY: per the caller's guarantee.
         unsafe { *head = self.table };
     }
+}
 
-    /// Frees the entries.
-    pub(crate) fn free(mut self) {
+impl Drop for SgTable {
+    fn drop(&mut self) {
         // SAFETY: allocated by `sg_alloc_table` and not freed before (type
-        // invariant; `self` is consumed).
+        // invariant; this runs once).
         unsafe { bindings::sg_free_table(&mut self.table) };
     }
 }

@@ -73,7 +73,7 @@ impl Cause {
 
 /// The module's counters.
 pub(crate) struct Stats {
-    /// Registrations acquired and not yet released.
+    /// Registrations the core holds: acquired and not yet released.
     pub(crate) live: Atomic<u64>,
     /// Bytes currently pinned (64 KiB granules).
     pub(crate) pinned_bytes: Atomic<u64>,
@@ -91,6 +91,15 @@ pub(crate) struct Stats {
     pub(crate) core_invalidations: Atomic<u64>,
     /// Scatterlist entries handed out.
     pub(crate) sg_entries: Atomic<u64>,
+    /// Releases in another process than the pinning one (the GPU driver's
+    /// unpin would do nothing there): the pin waited for the free callback.
+    pub(crate) foreign_releases: Atomic<u64>,
+    /// Pins left to the free callback by such releases, still waiting.
+    pub(crate) orphaned_pins: Atomic<u64>,
+    /// Pins whose unpin failed, still waiting for the free callback.
+    pub(crate) stranded_pins: Atomic<u64>,
+    /// Persistent pins whose unpin failed (lost to the client).
+    pub(crate) leaked_pins: Atomic<u64>,
     failures: [Atomic<u64>; CAUSES],
     logged: [Atomic<u32>; CAUSES],
 }
@@ -110,6 +119,10 @@ impl Stats {
             invalidations: Atomic::new(0),
             core_invalidations: Atomic::new(0),
             sg_entries: Atomic::new(0),
+            foreign_releases: Atomic::new(0),
+            orphaned_pins: Atomic::new(0),
+            stranded_pins: Atomic::new(0),
+            leaked_pins: Atomic::new(0),
             failures: [const { Atomic::new(0) }; CAUSES],
             logged: [const { Atomic::new(0) }; CAUSES],
         }
@@ -138,6 +151,10 @@ impl Stats {
             ("invalidations", &self.invalidations),
             ("core_invalidations", &self.core_invalidations),
             ("sg_entries", &self.sg_entries),
+            ("foreign_releases", &self.foreign_releases),
+            ("orphaned_pins", &self.orphaned_pins),
+            ("stranded_pins", &self.stranded_pins),
+            ("leaked_pins", &self.leaked_pins),
         ];
         for (name, v) in plain {
             writeln!(f, "{name} {}", v.load(Relaxed))?;

@@ -171,285 +171,619 @@ mod lifecycle_tests {
     use crate::lifecycle::{
         Invalidate,
         Lifecycle,
-        Outcome,
         Phase,
+        Pin,
         Refusal,
-        Teardown, //
+        Resources,
+        Unpinned, //
+    };
+    use kernel::sync::atomic::{
+        Atomic,
+        Relaxed, //
     };
 
-    fn mapped(invalidating: bool) -> Lifecycle {
-        let mut l = Lifecycle::new(invalidating);
-        l.start_pin().unwrap();
-        assert_eq!(l.pin_succeeded(), Outcome::Done);
-        l.start_map().unwrap();
-        assert_eq!(l.map_succeeded(), Outcome::Done);
+    /// The pinning process, and another one.
+    const OWNER: u32 = 100;
+    const OTHER: u32 = 200;
+    const TABLE: u32 = 7;
+    const MAP: u32 = 9;
+    const CTX: u64 = 42;
+
+    /// The callback's reference. Dropping it leaves the reference with the
+    /// GPU driver (its callback consumes it): each drop is counted.
+    struct Token {
+        id: u32,
+        drops: &'static Atomic<usize>,
+    }
+
+    impl Drop for Token {
+        fn drop(&mut self) {
+            self.drops.add(1, Relaxed);
+        }
+    }
+
+    /// Plain markers as the provider's objects.
+    struct Plain;
+
+    impl Resources for Plain {
+        type Table = u32;
+        type Token = Token;
+        type Map = u32;
+    }
+
+    type Lc = Lifecycle<Plain>;
+
+    fn pin(persistent: bool, drops: &'static Atomic<usize>) -> Pin<Plain> {
+        Pin {
+            table: TABLE,
+            token: if persistent {
+                None
+            } else {
+                Some(Token { id: TABLE, drops })
+            },
+            owner: OWNER,
+        }
+    }
+
+    /// Bound by `get_pages` (non-persistent unless `persistent`).
+    fn bound(persistent: bool, drops: &'static Atomic<usize>) -> Lc {
+        let mut l = Lc::new();
+        let _ = l.start_pin();
+        let _ = l.pin_succeeded(pin(persistent, drops));
+        let _ = l.bind(CTX);
         l
+    }
+
+    fn mapped(persistent: bool, drops: &'static Atomic<usize>) -> Lc {
+        let mut l = bound(persistent, drops);
+        let _ = l.start_map();
+        let _ = l.map_succeeded(MAP);
+        l
+    }
+
+    fn token_id(t: &Option<Token>) -> Option<u32> {
+        t.as_ref().map(|t| t.id)
     }
 
     #[test]
     fn persistent_full_life() {
-        let mut l = mapped(false);
-        assert_eq!(
-            l.unmap(),
-            Teardown {
-                free_sg: true,
-                unmap_provider: true,
-                unpin_provider: false
-            }
-        );
-        assert_eq!(l.unmap(), Teardown::default());
-        assert_eq!(l.put_pages(), Teardown::default());
-        assert_eq!(
-            l.release(),
-            Teardown {
-                free_sg: false,
-                unmap_provider: false,
-                unpin_provider: true
-            }
-        );
-        assert!(!l.unpinned());
-        assert_eq!(l.release(), Teardown::default());
-        l.released();
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = Lc::new();
+        assert_eq!(l.start_pin(), Ok(()));
+        assert!(l.pin_succeeded(pin(true, &DROPS)).is_ok());
+        assert_eq!(l.pinned_table(), Ok(&TABLE));
+        assert!(!l.callback_armed());
+        assert_eq!(l.bind(CTX), Ok(()));
+        assert_eq!(l.start_map(), Ok(&TABLE));
+        assert_eq!(l.map_succeeded(MAP), Ok(()));
+        assert_eq!(l.map(), Some(&MAP));
+        assert_eq!(l.unmap(), Some(MAP));
+        assert_eq!(l.unmap(), None);
+        assert_eq!(l.put_pages(), None);
+        assert_eq!(l.phase(), Phase::Bound);
+        // Mapped again, then released with the mapping still there: from
+        // another process, which may unpin a persistent pin.
+        assert_eq!(l.start_map(), Ok(&TABLE));
+        assert_eq!(l.map_succeeded(MAP + 1), Ok(()));
+        let r = l.release(OTHER);
+        assert_eq!(r.map, Some(MAP + 1));
+        assert_eq!(r.unpin, Some(TABLE));
+        assert!(!r.orphaned);
+        assert_eq!(l.phase(), Phase::Unpinning);
+        let (how, tok) = l.unpinned(true);
+        assert_eq!(how, Unpinned::Persistent);
+        assert!(tok.is_none());
+        assert_eq!(l.phase(), Phase::Released);
+        assert_eq!(DROPS.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn persistent_failed_unpin_is_leaked() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = bound(true, &DROPS);
+        assert_eq!(l.release(OWNER).unpin, Some(TABLE));
+        let (how, tok) = l.unpinned(false);
+        assert_eq!(how, Unpinned::Leaked);
+        assert!(tok.is_none());
         assert_eq!(l.phase(), Phase::Released);
     }
 
     #[test]
-    fn invalidating_unpin_reclaims_callback_ref_once() {
-        let mut l = mapped(true);
+    fn invalidating_unpin_by_the_owner_reclaims_the_token_once() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = mapped(false, &DROPS);
         assert!(l.callback_armed());
-        assert_eq!(
-            l.unmap(),
-            Teardown {
-                free_sg: true,
-                unmap_provider: false,
-                unpin_provider: false
-            }
-        );
-        assert_eq!(l.put_pages(), Teardown::default());
-        assert_eq!(
-            l.release(),
-            Teardown {
-                free_sg: false,
-                unmap_provider: false,
-                unpin_provider: true
-            }
-        );
-        assert!(l.unpinned());
-        assert!(!l.unpinned());
-        assert_eq!(l.invalidate(), Invalidate::Quiet);
+        assert_eq!(l.unmap(), Some(MAP));
+        assert_eq!(l.put_pages(), None);
+        assert_eq!(l.phase(), Phase::Bound);
+        let r = l.release(OWNER);
+        assert_eq!(r.map, None);
+        assert_eq!(r.unpin, Some(TABLE));
+        assert!(!r.orphaned);
+        assert_eq!(l.phase(), Phase::Unpinning);
+        // Armed until the provider says the unpin is done.
+        assert!(l.callback_armed());
+        let (how, tok) = l.unpinned(true);
+        assert_eq!(how, Unpinned::Reclaim);
+        assert_eq!(token_id(&tok), Some(TABLE));
+        // Handed out to be reclaimed, not dropped in the lifecycle.
+        assert_eq!(DROPS.load(Relaxed), 0);
+        drop(tok);
+        assert_eq!(l.phase(), Phase::Released);
+        assert!(!l.callback_armed());
+        let (how, tok) = l.unpinned(true);
+        assert_eq!(how, Unpinned::Raced);
+        assert!(tok.is_none());
+        assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+        assert_eq!(DROPS.load(Relaxed), 1);
     }
 
     #[test]
-    fn revoke_while_mapped_then_teardown_touches_nothing() {
-        let mut l = mapped(true);
-        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
-        assert!(!l.callback_armed());
+    fn release_from_another_process_orphans_the_pin() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = mapped(false, &DROPS);
+        let r = l.release(OTHER);
+        // The mapping is the client's own: undone now. The GPU driver would
+        // not find the pin from this process (fact 7): nothing to unpin.
+        assert_eq!(r.map, Some(MAP));
+        assert_eq!(r.unpin, None);
+        assert!(r.orphaned);
+        assert_eq!(l.phase(), Phase::Orphaned);
+        assert!(l.callback_armed());
+        assert_eq!(DROPS.load(Relaxed), 0);
+        // Nothing else ends an orphan.
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        let (how, tok) = l.unpinned(true);
+        assert_eq!(how, Unpinned::Raced);
+        assert!(tok.is_none());
+        assert_eq!(l.unmap(), None);
+        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Orphaned)));
+        assert_eq!(l.phase(), Phase::Orphaned);
+        assert_eq!(DROPS.load(Relaxed), 0);
+        // The callback ends it, consuming its reference.
         assert_eq!(
-            l.unmap(),
-            Teardown {
-                free_sg: true,
-                unmap_provider: false,
-                unpin_provider: false
-            }
+            l.invalidate(),
+            (Invalidate::Reaped { orphaned: true }, Some(TABLE))
         );
-        assert_eq!(l.put_pages(), Teardown::default());
-        assert!(!l.unpinned());
-        assert_eq!(l.release(), Teardown::default());
+        assert_eq!(DROPS.load(Relaxed), 1);
+        assert_eq!(l.phase(), Phase::Released);
+        assert!(!l.callback_armed());
+    }
+
+    #[test]
+    fn failed_unpin_strands_the_pin() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = bound(false, &DROPS);
+        assert_eq!(l.release(OWNER).unpin, Some(TABLE));
+        let (how, tok) = l.unpinned(false);
+        assert_eq!(how, Unpinned::Stranded);
+        assert!(tok.is_none());
+        assert_eq!(l.phase(), Phase::Stranded);
+        // The callback stays armed (fact 8) with its reference.
+        assert!(l.callback_armed());
+        assert_eq!(DROPS.load(Relaxed), 0);
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        let (how, tok) = l.unpinned(true);
+        assert_eq!(how, Unpinned::Raced);
+        assert!(tok.is_none());
+        assert_eq!(l.phase(), Phase::Stranded);
+        // The table went to the failed unpin: the callback has none.
+        assert_eq!(
+            l.invalidate(),
+            (Invalidate::Reaped { orphaned: false }, None)
+        );
+        assert_eq!(DROPS.load(Relaxed), 1);
+        assert_eq!(l.phase(), Phase::Released);
+    }
+
+    #[test]
+    fn callback_racing_the_unpin_keeps_its_reference() {
+        for ok in [true, false] {
+            static DROPS: Atomic<usize> = Atomic::new(0);
+            let before = DROPS.load(Relaxed);
+            let mut l = bound(false, &DROPS);
+            assert_eq!(l.release(OWNER).unpin, Some(TABLE));
+            // The callback fired while the provider's unpin was in flight.
+            assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+            assert_eq!(l.phase(), Phase::Unpinning);
+            assert!(!l.callback_armed());
+            assert_eq!(DROPS.load(Relaxed), before + 1);
+            let (how, tok) = l.unpinned(ok);
+            assert_eq!(how, Unpinned::Raced);
+            assert!(tok.is_none());
+            assert_eq!(l.phase(), Phase::Released);
+            assert_eq!(DROPS.load(Relaxed), before + 1);
+        }
+    }
+
+    #[test]
+    fn revoke_while_mapped_hands_the_map_back_once() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        // The core did not unmap from its invalidate: the callback does.
+        let mut l = mapped(false, &DROPS);
+        assert_eq!(l.invalidate(), (Invalidate::NotifyCore(CTX), Some(TABLE)));
+        assert_eq!(DROPS.load(Relaxed), 1);
+        assert_eq!(l.phase(), Phase::Revoked);
+        assert!(!l.callback_armed());
+        assert_eq!(l.map(), None);
+        assert_eq!(l.revoked_map(), Some(MAP));
+        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.unmap(), None);
+        assert_eq!(l.put_pages(), None);
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        assert_eq!(l.phase(), Phase::Released);
+
+        // A legacy core unmaps from inside its invalidate.
+        let mut l = mapped(false, &DROPS);
+        assert_eq!(l.invalidate(), (Invalidate::NotifyCore(CTX), Some(TABLE)));
+        assert_eq!(l.unmap(), Some(MAP));
+        assert_eq!(l.put_pages(), None);
+        assert_eq!(l.revoked_map(), None);
+        assert!(l.release(OWNER).map.is_none());
+
+        // Released before anyone undid it: release hands it back.
+        let mut l = mapped(false, &DROPS);
+        assert_eq!(l.invalidate(), (Invalidate::NotifyCore(CTX), Some(TABLE)));
+        let r = l.release(OWNER);
+        assert_eq!(r.map, Some(MAP));
+        assert!(r.unpin.is_none() && !r.orphaned);
+        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.unmap(), None);
+        assert_eq!(DROPS.load(Relaxed), 3);
+    }
+
+    #[test]
+    fn revoke_while_mapping_fails_the_map() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = bound(false, &DROPS);
+        assert_eq!(l.start_map(), Ok(&TABLE));
+        assert_eq!(l.invalidate(), (Invalidate::NotifyCore(CTX), Some(TABLE)));
+        // The mapping made meanwhile comes back to be undone.
+        assert_eq!(l.map_succeeded(MAP), Err(MAP));
+        assert_eq!(l.phase(), Phase::Revoked);
+        assert_eq!(l.map(), None);
+        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.unmap(), None);
+        l.map_failed();
+        assert_eq!(l.phase(), Phase::Revoked);
+        assert_eq!(l.start_map(), Err(Refusal::Revoked));
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        assert_eq!(DROPS.load(Relaxed), 1);
     }
 
     #[test]
     fn revoke_while_pinning_fails_the_pin() {
-        let mut l = Lifecycle::new(true);
-        l.start_pin().unwrap();
-        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
-        assert_eq!(l.pin_succeeded(), Outcome::Revoked);
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = Lc::new();
+        assert_eq!(l.start_pin(), Ok(()));
+        assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+        assert_eq!(l.phase(), Phase::Revoked);
+        let back = l.pin_succeeded(pin(false, &DROPS)).err();
+        assert!(back.is_some());
+        if let Some(back) = back {
+            assert_eq!(back.table, TABLE);
+            assert_eq!(back.owner, OWNER);
+            assert_eq!(token_id(&back.token), Some(TABLE));
+            // The caller drops the handles: the callback consumed the
+            // reference.
+            drop(back);
+        }
+        assert_eq!(DROPS.load(Relaxed), 1);
+        assert!(!l.callback_armed());
+        assert_eq!(l.pinned_table(), Err(Refusal::Revoked));
+        assert_eq!(l.bind(CTX), Err(Refusal::Revoked));
         assert_eq!(l.start_map(), Err(Refusal::Revoked));
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        assert_eq!(l.phase(), Phase::Released);
+    }
+
+    /// Fix "dma_map after page-size mismatch": `dma_map` needs the table
+    /// accepted by `get_pages`.
+    #[test]
+    fn dma_map_refused_before_bind_and_after_reject() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        for persistent in [false, true] {
+            let mut l = Lc::new();
+            assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Acquired)));
+            assert_eq!(l.start_pin(), Ok(()));
+            assert!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok());
+            assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Pinned)));
+            assert_eq!(l.phase(), Phase::Pinned);
+            // get_pages refused the table (page size, version, entries).
+            l.reject();
+            assert_eq!(l.phase(), Phase::Unusable);
+            assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Unusable)));
+            assert_eq!(l.pinned_table(), Err(Refusal::Forbidden(Phase::Unusable)));
+            assert_eq!(l.bind(CTX), Err(Refusal::Forbidden(Phase::Unusable)));
+            assert_eq!(l.phase(), Phase::Unusable);
+            // Only release may use the pin: it unpins.
+            let r = l.release(OWNER);
+            assert_eq!(r.map, None);
+            assert_eq!(r.unpin, Some(TABLE));
+            assert!(!r.orphaned);
+        }
     }
 
     #[test]
-    fn forbidden_orders() {
-        let mut l = Lifecycle::new(false);
-        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Acquired)));
-        l.start_pin().unwrap();
-        assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Pinning)));
-        l.pin_failed();
-        assert_eq!(l.phase(), Phase::Acquired);
-        assert_eq!(l.release(), Teardown::default());
-    }
-
-    #[test]
-    fn map_failure_returns_to_pinned_and_can_retry() {
-        let mut l = Lifecycle::new(true);
-        l.start_pin().unwrap();
-        assert_eq!(l.pin_succeeded(), Outcome::Done);
-        l.start_map().unwrap();
+    fn map_failure_returns_to_bound_and_can_retry() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = bound(false, &DROPS);
+        assert_eq!(l.start_map(), Ok(&TABLE));
         assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Mapping)));
         l.map_failed();
-        assert_eq!(l.phase(), Phase::Pinned);
-        l.start_map().unwrap();
-        assert_eq!(l.map_succeeded(), Outcome::Done);
-        assert!(l.sg_owned());
-    }
-
-    #[test]
-    fn revoke_while_mapping_refuses_the_map() {
-        let mut l = Lifecycle::new(true);
-        l.start_pin().unwrap();
-        assert_eq!(l.pin_succeeded(), Outcome::Done);
-        l.start_map().unwrap();
-        assert_eq!(l.invalidate(), Invalidate::NotifyCore);
-        assert_eq!(l.map_succeeded(), Outcome::Revoked);
-        assert!(!l.sg_owned());
-        assert_eq!(l.release(), Teardown::default());
-    }
-
-    #[test]
-    fn revoke_after_unpin_is_quiet_and_keeps_callback_ref_with_callback() {
-        let mut l = mapped(true);
-        let t = l.release();
-        assert!(t.unpin_provider);
-        // The callback fired while the provider's unpin was in flight.
-        assert_eq!(l.invalidate(), Invalidate::Quiet);
-        assert!(!l.unpinned());
-        assert!(l.callback_fired());
+        assert_eq!(l.phase(), Phase::Bound);
+        assert_eq!(l.start_map(), Ok(&TABLE));
+        assert_eq!(l.map_succeeded(MAP), Ok(()));
+        assert_eq!(l.map(), Some(&MAP));
     }
 
     #[test]
     fn nothing_is_legal_after_release() {
-        let mut l = mapped(false);
-        l.release();
-        l.released();
-        assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Released)));
-        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Released)));
-        assert_eq!(l.unmap(), Teardown::default());
-        assert_eq!(l.put_pages(), Teardown::default());
-        assert_eq!(l.release(), Teardown::default());
-        assert_eq!(l.invalidate(), Invalidate::Quiet);
-    }
-
-    /// A lifecycle brought to `phase` by legal steps.
-    fn reach(phase: Phase, invalidating: bool) -> Lifecycle {
-        let mut l = Lifecycle::new(invalidating);
-        let steps: &[fn(&mut Lifecycle)] = match phase {
-            Phase::Acquired => &[],
-            Phase::Pinning => &[|l| l.start_pin().unwrap()],
-            Phase::Pinned => &[
-                |l| l.start_pin().unwrap(),
-                |l| {
-                    l.pin_succeeded();
-                },
-            ],
-            Phase::Mapping => &[
-                |l| l.start_pin().unwrap(),
-                |l| {
-                    l.pin_succeeded();
-                },
-                |l| l.start_map().unwrap(),
-            ],
-            Phase::Mapped => &[
-                |l| l.start_pin().unwrap(),
-                |l| {
-                    l.pin_succeeded();
-                },
-                |l| l.start_map().unwrap(),
-                |l| {
-                    l.map_succeeded();
-                },
-            ],
-            Phase::Revoked => &[
-                |l| l.start_pin().unwrap(),
-                |l| {
-                    l.invalidate();
-                },
-            ],
-            Phase::Unpinned => &[
-                |l| l.start_pin().unwrap(),
-                |l| {
-                    l.pin_succeeded();
-                },
-                |l| {
-                    l.release();
-                },
-            ],
-            Phase::Released => &[
-                |l| {
-                    l.release();
-                },
-                |l| l.released(),
-            ],
-        };
-        for s in steps {
-            s(&mut l);
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        for persistent in [false, true] {
+            let mut l = mapped(persistent, &DROPS);
+            let _ = l.release(OWNER);
+            let _ = l.unpinned(true);
+            assert_eq!(l.phase(), Phase::Released);
+            let gone = Refusal::Forbidden(Phase::Released);
+            assert_eq!(l.start_pin(), Err(gone));
+            assert!(l.pin_succeeded(pin(persistent, &DROPS)).is_err());
+            assert_eq!(l.pinned_table(), Err(gone));
+            assert_eq!(l.bind(CTX), Err(gone));
+            assert_eq!(l.start_map(), Err(gone));
+            assert_eq!(l.map_succeeded(MAP), Err(MAP));
+            assert_eq!(l.map(), None);
+            assert_eq!(l.unmap(), None);
+            assert_eq!(l.put_pages(), None);
+            assert_eq!(l.revoked_map(), None);
+            let r = l.release(OWNER);
+            assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+            let (how, tok) = l.unpinned(true);
+            assert_eq!(how, Unpinned::Raced);
+            assert!(tok.is_none());
+            assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+            l.pin_failed();
+            l.reject();
+            l.map_failed();
+            assert_eq!(l.phase(), Phase::Released);
+            assert!(!l.callback_armed());
         }
-        assert_eq!(l.phase(), phase);
-        l
     }
 
-    const PHASES: [Phase; 8] = [
+    const PHASES: [Phase; 12] = [
         Phase::Acquired,
         Phase::Pinning,
         Phase::Pinned,
+        Phase::Unusable,
+        Phase::Bound,
         Phase::Mapping,
         Phase::Mapped,
         Phase::Revoked,
-        Phase::Unpinned,
+        Phase::Unpinning,
+        Phase::Stranded,
+        Phase::Orphaned,
         Phase::Released,
     ];
 
-    #[test]
-    fn every_phase_against_every_call() {
-        for inv in [false, true] {
-            for p in PHASES {
-                // Pinning starts only from Acquired, mapping only from Pinned.
-                let mut l = reach(p, inv);
-                assert_eq!(l.start_pin().is_ok(), p == Phase::Acquired);
-                let mut l = reach(p, inv);
-                assert_eq!(l.start_map().is_ok(), p == Phase::Pinned);
-                // A refused call leaves the phase alone.
-                if p != Phase::Acquired {
-                    let mut l = reach(p, inv);
-                    let _ = l.start_pin();
-                    assert_eq!(l.phase(), p);
-                }
-                // The provider is unpinned only by release, only from a pinned
-                // phase, and never twice.
-                let mut l = reach(p, inv);
-                let t = l.release();
-                let pinned = matches!(p, Phase::Pinned | Phase::Mapped);
-                assert_eq!(t.unpin_provider, pinned);
-                assert_eq!(l.release(), Teardown::default());
-                // put_pages and dma_unmap never unpin, and are idempotent.
-                let mut l = reach(p, inv);
-                assert!(!l.put_pages().unpin_provider);
-                assert!(!l.unmap().unpin_provider);
-                assert_eq!(l.put_pages(), Teardown::default());
-                // The provider mapping is undone only for persistent pins.
-                let mut l = reach(p, inv);
-                assert_eq!(l.unmap().unmap_provider, p == Phase::Mapped && !inv);
-                // The free callback notifies the core only while pinned.
-                let mut l = reach(p, inv);
-                let notify = matches!(
-                    p,
-                    Phase::Pinning | Phase::Pinned | Phase::Mapping | Phase::Mapped
-                );
-                let notified = l.invalidate() == Invalidate::NotifyCore;
-                assert_eq!(notified, notify);
-                assert!(!l.callback_armed());
+    /// A lifecycle brought to `phase` by legal steps, or `None` where a
+    /// persistent pin never goes (it has no callback, and its unpin is not
+    /// process-keyed).
+    fn reach(phase: Phase, persistent: bool, drops: &'static Atomic<usize>) -> Option<Lc> {
+        let mut l = Lc::new();
+        match phase {
+            Phase::Acquired => return Some(l),
+            Phase::Released => {
+                let _ = l.release(OWNER);
+                return Some(l);
             }
+            _ => (),
         }
+        let _ = l.start_pin();
+        if phase == Phase::Pinning {
+            return Some(l);
+        }
+        let _ = l.pin_succeeded(pin(persistent, drops));
+        match phase {
+            Phase::Pinned => return Some(l),
+            Phase::Unusable => {
+                l.reject();
+                return Some(l);
+            }
+            _ => (),
+        }
+        let _ = l.bind(CTX);
+        match phase {
+            Phase::Bound => (),
+            Phase::Mapping => {
+                let _ = l.start_map();
+            }
+            Phase::Mapped => {
+                let _ = l.start_map();
+                let _ = l.map_succeeded(MAP);
+            }
+            Phase::Unpinning => {
+                let _ = l.release(OWNER);
+            }
+            Phase::Revoked if !persistent => {
+                let _ = l.invalidate();
+            }
+            Phase::Stranded if !persistent => {
+                let _ = l.release(OWNER);
+                let _ = l.unpinned(false);
+            }
+            Phase::Orphaned if !persistent => {
+                let _ = l.release(OTHER);
+            }
+            _ => return None,
+        }
+        Some(l)
     }
 
     #[test]
-    fn release_of_mapped_undoes_everything() {
-        let mut l = mapped(false);
-        assert_eq!(
-            l.release(),
-            Teardown {
-                free_sg: true,
-                unmap_provider: true,
-                unpin_provider: true
+    fn every_phase_against_every_call() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let drops = || DROPS.load(Relaxed);
+        for persistent in [false, true] {
+            for p in PHASES {
+                let Some(l) = reach(p, persistent, &DROPS) else {
+                    continue;
+                };
+                let at = || reach(p, persistent, &DROPS).unwrap_or_else(Lc::new);
+                assert_eq!(l.phase(), p);
+                drop(l);
+                let refusal = if p == Phase::Revoked {
+                    Refusal::Revoked
+                } else {
+                    Refusal::Forbidden(p)
+                };
+                // The lifecycle holds the callback's reference from the pin
+                // until an unpin or the callback ends it.
+                let holds = !persistent
+                    && matches!(
+                        p,
+                        Phase::Pinned
+                            | Phase::Unusable
+                            | Phase::Bound
+                            | Phase::Mapping
+                            | Phase::Mapped
+                            | Phase::Unpinning
+                            | Phase::Stranded
+                            | Phase::Orphaned
+                    );
+                assert_eq!(at().callback_armed(), holds);
+                let pinned = matches!(
+                    p,
+                    Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped
+                );
+
+                // start_pin / pin_failed / pin_succeeded: only while pinning.
+                let mut l = at();
+                let ok = p == Phase::Acquired;
+                assert_eq!(l.start_pin(), if ok { Ok(()) } else { Err(refusal) });
+                assert_eq!(l.phase(), if ok { Phase::Pinning } else { p });
+                let mut l = at();
+                l.pin_failed();
+                assert_eq!(l.phase(), if p == Phase::Pinning { Phase::Acquired } else { p });
+                let mut l = at();
+                let ok = p == Phase::Pinning;
+                assert_eq!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok(), ok);
+                assert_eq!(l.phase(), if ok { Phase::Pinned } else { p });
+
+                // get_pages: reads the table, binds or rejects, only Pinned.
+                let l = at();
+                let ok = p == Phase::Pinned;
+                assert_eq!(l.pinned_table(), if ok { Ok(&TABLE) } else { Err(refusal) });
+                let mut l = at();
+                assert_eq!(l.bind(CTX), if ok { Ok(()) } else { Err(refusal) });
+                assert_eq!(l.phase(), if ok { Phase::Bound } else { p });
+                let mut l = at();
+                l.reject();
+                assert_eq!(l.phase(), if ok { Phase::Unusable } else { p });
+
+                // dma_map: only once bound.
+                let mut l = at();
+                let ok = p == Phase::Bound;
+                assert_eq!(l.start_map(), if ok { Ok(&TABLE) } else { Err(refusal) });
+                assert_eq!(l.phase(), if ok { Phase::Mapping } else { p });
+                let mut l = at();
+                l.map_failed();
+                assert_eq!(l.phase(), if p == Phase::Mapping { Phase::Bound } else { p });
+                let mut l = at();
+                let ok = p == Phase::Mapping;
+                let r = l.map_succeeded(MAP + 1);
+                assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
+                assert_eq!(l.phase(), if ok { Phase::Mapped } else { p });
+
+                // dma_unmap and put_pages: hand the map back once, never
+                // unpin.
+                let mapped = p == Phase::Mapped;
+                let mut l = at();
+                assert_eq!(l.map(), if mapped { Some(&MAP) } else { None });
+                assert_eq!(l.unmap(), if mapped { Some(MAP) } else { None });
+                assert_eq!(l.unmap(), None);
+                assert_eq!(l.put_pages(), None);
+                assert_eq!(l.phase(), if mapped { Phase::Bound } else { p });
+                let mut l = at();
+                assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
+                assert_eq!(l.revoked_map(), None);
+
+                // The free callback: drops the reference it consumes.
+                let mut l = at();
+                let (action, table, next) = match p {
+                    Phase::Acquired => (Invalidate::Quiet, None, p),
+                    Phase::Pinning => (Invalidate::Quiet, None, Phase::Revoked),
+                    Phase::Pinned | Phase::Unusable => {
+                        (Invalidate::Quiet, Some(TABLE), Phase::Revoked)
+                    }
+                    Phase::Bound | Phase::Mapping | Phase::Mapped => {
+                        (Invalidate::NotifyCore(CTX), Some(TABLE), Phase::Revoked)
+                    }
+                    Phase::Stranded => (Invalidate::Reaped { orphaned: false }, None, Phase::Released),
+                    Phase::Orphaned => {
+                        (Invalidate::Reaped { orphaned: true }, Some(TABLE), Phase::Released)
+                    }
+                    _ => (Invalidate::Quiet, None, p),
+                };
+                let before = drops();
+                assert_eq!(l.invalidate(), (action, table));
+                assert_eq!(drops() - before, usize::from(holds));
+                assert_eq!(l.phase(), next);
+                assert!(!l.callback_armed());
+                assert_eq!(l.revoked_map(), if mapped { Some(MAP) } else { None });
+                assert_eq!(l.revoked_map(), None);
+                assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+
+                // release, by the owner and by another process: unpins only
+                // a pin it holds, non-persistent ones only in the owner's
+                // process; never drops the reference.
+                for tgid in [OWNER, OTHER] {
+                    let mut l = at();
+                    let before = drops();
+                    let r = l.release(tgid);
+                    let orphan = pinned && !persistent && tgid == OTHER;
+                    assert_eq!(r.map, if mapped { Some(MAP) } else { None });
+                    assert_eq!(r.unpin, if pinned && !orphan { Some(TABLE) } else { None });
+                    assert_eq!(r.orphaned, orphan);
+                    let next = match p {
+                        _ if orphan => Phase::Orphaned,
+                        _ if pinned => Phase::Unpinning,
+                        Phase::Acquired | Phase::Revoked | Phase::Released => Phase::Released,
+                        _ => p,
+                    };
+                    assert_eq!(l.phase(), next);
+                    assert_eq!(l.callback_armed(), holds);
+                    assert_eq!(drops(), before);
+                    let r = l.release(tgid);
+                    assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+                }
+
+                // The unpin's end: reclaims only after a successful unpin.
+                for ok in [true, false] {
+                    let mut l = at();
+                    let before = drops();
+                    let (how, tok) = l.unpinned(ok);
+                    let unpinning = p == Phase::Unpinning;
+                    let (want, next) = match (unpinning, persistent, ok) {
+                        (false, _, _) => (Unpinned::Raced, p),
+                        (true, true, true) => (Unpinned::Persistent, Phase::Released),
+                        (true, true, false) => (Unpinned::Leaked, Phase::Released),
+                        (true, false, true) => (Unpinned::Reclaim, Phase::Released),
+                        (true, false, false) => (Unpinned::Stranded, Phase::Stranded),
+                    };
+                    assert_eq!(how, want);
+                    let reclaimed = want == Unpinned::Reclaim;
+                    assert_eq!(token_id(&tok), if reclaimed { Some(TABLE) } else { None });
+                    assert_eq!(drops(), before);
+                    assert_eq!(l.phase(), next);
+                    assert_eq!(l.callback_armed(), holds && !reclaimed);
+                }
             }
-        );
+        }
     }
 }
 

@@ -9,12 +9,25 @@
  * "cudaFree"s by munmap, the FREE ioctl or process exit.
  *
  * It exports NVIDIA's kernel p2p API with the layouts of the real nv-p2p.h
- * and reproduces the behaviour a client must cope with: 64 KiB alignment,
- * NULL free callbacks refused, only the owning process may pin, ranges must
- * lie in one allocation, BAR1 exhaustion, free callbacks run synchronously
- * under the driver's lock on free, and the page table with all its DMA
- * mappings is freed right after the callback returns (KASAN sees any later
- * use); put_pages after the callback returns 0.
+ * and is as hostile as the real driver. Behaviours modelled, one a line, with
+ * their source in NVIDIA open-gpu-kernel-modules 595.45.04 (K = kernel-open/nvidia,
+ * RM = src/nvidia/src/kernel, OS = src/nvidia/arch/nvalloc/unix/src):
+ *  - 64 KiB alignment; NULL free callback refused; FORCE_BAR1 tables refuse dma_map: K/nv-p2p.c
+ *  - only the owning process may pin (token 0): RM/gpu/bus/p2p.c
+ *  - one sleeping RM API lock (rw lock, write) in get/put_pages[_persistent], dma_map: OS/osapi.c
+ *  - RM re-entered by the lock's holder (a free callback) -> -EIO, put WARNs: RM/rmapi/rmapi.c
+ *  - dma_map reads the table before RM, links the mapping after; dma_unmap skips RM: K/nv-p2p.c
+ *  - one dma_map_resource per 64 KiB page (independent IOVAs under an IOMMU): OS/osapi.c, K/nv-dma.c
+ *  - unknown GPU uuid -> -EINVAL; 580+ topology gate -> -ENOTSUPP: OS/osapi.c, K/nv-pci.c
+ *  - non-persistent put looked up by current->tgid; not found -> 0, pin kept: RM/gpu/bus/p2p.c
+ *  - the tgid is RM's process id: K/os-interface.c (os_get_current_process)
+ *  - put after the callback -> 0; other put errors change nothing; -ENOMEM before RM: K/nv-p2p.c
+ *  - persistent put finds the pin through the table; a stale put uses freed memory: K/nv-p2p.c
+ *  - free callback under the RM lock at cudaFree and client teardown: RM/gpu/bus/third_party_p2p.c
+ *  - client teardown deferred to the nv_queue kernel thread, owner gone: K/nv.c (nvidia_close)
+ *  - table and its DMA mappings freed right after the callback returns: K/nv-p2p.c
+ *  - a freed table's address is handed out again (no quarantine in production): K/nv-p2p.c
+ *  - BAR1 space is finite; pins of one page share its BAR1 mapping: RM/gpu/bus/p2p.c
  *
  * Written in C: it exports C symbols by name (EXPORT_SYMBOL), maps BAR pages
  * into user space (io_remap_pfn_range) and maps resources for a peer device
@@ -27,14 +40,18 @@
 #include <linux/delay.h>
 #include <linux/dma-mapping.h>
 #include <linux/hashtable.h>
+#include <linux/jiffies.h>
+#include <linux/kthread.h>
 #include <linux/miscdevice.h>
 #include <linux/mman.h>
 #include <linux/mm.h>
 #include <linux/module.h>
-#include <linux/mutex.h>
 #include <linux/pci.h>
+#include <linux/rwsem.h>
+#include <linux/sched.h>
 #include <linux/sched/mm.h>
 #include <linux/slab.h>
+#include <linux/spinlock.h>
 #include <linux/uaccess.h>
 #include <linux/workqueue.h>
 
@@ -99,7 +116,7 @@ struct emu_gpu {
 struct emu_alloc {
 	struct list_head node;
 	struct emu_gpu *gpu;
-	struct file *file;
+	struct file *file;	/* compared only */
 	struct mm_struct *mm;	/* owner, compared only */
 	u64 chunk;		/* first 64 KiB chunk in the BAR */
 	u64 size;
@@ -108,8 +125,13 @@ struct emu_alloc {
 	bool mapped;		/* a VMA maps it */
 	bool freed;		/* cudaFree'd: no new pins */
 	bool released;		/* BAR space returned */
+	bool deferred;		/* owner exited: teardown queued to nv_queue */
 	int persistent_pins;
+	int holds;		/* queued works that will still touch it */
+	unsigned long defer_until;	/* jiffies: when nv_queue tears it down */
 	struct list_head tables;
+	struct work_struct race_work;
+	struct kthread_work defer_work;
 };
 
 /* A page table as the driver allocates it: the public struct first, then the
@@ -117,16 +139,17 @@ struct emu_alloc {
 struct emu_table {
 	struct nvidia_p2p_page_table pt;
 	u32 flags_v2;
-	struct list_head node;		/* in alloc->tables */
-	struct hlist_node hnode;	/* in live_tables, by address */
+	struct list_head node;		/* in alloc->tables (rm_api_lock) */
+	struct hlist_node hnode;	/* in live_tables (rm_api_lock + table_lock) */
 	struct emu_alloc *alloc;
 	u64 first_chunk;		/* BAR page of entry 0 */
+	pid_t tgid;			/* the pinning process, as RM's os_get_current_process() */
 	bool persistent;
 	bool force_bar1;
+	bool dying;			/* its free callback is running (table_lock) */
 	void (*cb)(void *data);
 	void *data;
-	spinlock_t lock;		/* mappings */
-	struct list_head mappings;
+	struct list_head mappings;	/* table_lock */
 	struct nvidia_p2p_page *page_structs;
 };
 
@@ -145,15 +168,37 @@ struct emu_mapping {
 static struct emu_gpu *gpus[MAX_GPUS];
 static int ngpus;
 
-/* The driver's lock: held by every pin/unpin and by frees, across free callbacks. */
-static DEFINE_MUTEX(rm_lock);
+/*
+ * RM's API lock: one sleeping lock, always taken for write, held inside every
+ * p2p call that enters RM, by the "cudaMalloc/cudaFree" paths, and across
+ * every free callback. rm_owner lets a re-entry fail like RM's does instead
+ * of deadlocking.
+ */
+static DECLARE_RWSEM(rm_api_lock);
+static struct task_struct *rm_owner;
 static LIST_HEAD(allocs);
-/* Live page tables by address, like RM's tracker (O(1) lookups at any scale). */
+/*
+ * Page tables RM still knows (live, or their free callback running), by
+ * address, like RM's tracker. Changed under rm_api_lock and table_lock; read
+ * under either. table_lock also guards every table's mapping list, the
+ * page-table reuse cache, and never covers a callback or a DMA (un)map.
+ */
+static DEFINE_SPINLOCK(table_lock);
 static DEFINE_HASHTABLE(live_tables, 16);
+
+#define TABLE_CACHE	8
+static struct emu_table *table_cache[TABLE_CACHE];	/* LIFO, table_lock */
+static unsigned int table_cached;
+
+static struct kthread_worker *nv_queue;	/* RM's deferred-close kernel thread */
+static struct workqueue_struct *race_wq;
+static bool unloading;
 
 static atomic64_t st_pins, st_ppins, st_unpins, st_callbacks, st_live_tables, st_live_maps, st_dma_maps;
 static atomic64_t st_bytes;	/* memory of live tables and mappings, as kmalloc rounds it */
 static atomic64_t st_ns;	/* time inside the exported calls (benchmark: client's own share) */
+static atomic64_t st_foreign_puts, st_failed_unpins, st_stale, st_deferred_cbs, st_reused,
+		  st_topo_refusals, st_reentries;
 
 /* make bench only: clock reads are slow under TCG, so timing is opt-in. */
 static bool bench_timing;
@@ -192,15 +237,67 @@ static u64 mapping_bytes(u64 n)
 	       kbytes(n * sizeof(struct emu_run));
 }
 
-/* --- fault injection (debugfs) ------------------------------------------ */
+/* --- the RM API lock ------------------------------------------------------ */
 
-enum { INJ_GET_PAGES, INJ_GET_PAGES_PERSISTENT, INJ_DMA_MAP, INJ_COUNT };
-static const char *const inj_names[INJ_COUNT] = { "get_pages", "get_pages_persistent", "dma_map_pages" };
+static void rm_lock(void)
+{
+	down_write(&rm_api_lock);
+	WRITE_ONCE(rm_owner, current);
+}
+
+static void rm_unlock(void)
+{
+	WRITE_ONCE(rm_owner, NULL);
+	up_write(&rm_api_lock);
+}
+
+/*
+ * An exported call entering RM. rmapiLockAcquire() refuses a thread that
+ * already owns the lock (NV_ERR_INVALID_LOCK_STATE, which nv-p2p.c maps to
+ * -EIO): that is what a client calling back into RM from its free callback
+ * gets. Only the owner itself writes rm_owner == current, so the check is
+ * exact.
+ */
+static int rm_enter(const char *fn)
+{
+	if (READ_ONCE(rm_owner) == current) {
+		atomic64_inc(&st_reentries);
+		pr_err("NVRM: %s: RM API lock already held by this thread (called from a free callback?): NV_ERR_INVALID_LOCK_STATE\n",
+		       fn);
+		return -EIO;
+	}
+	rm_lock();
+	return 0;
+}
+
+/* --- debugfs: fault injection and behaviour knobs -------------------------- */
+
+enum {
+	INJ_GET_PAGES, INJ_GET_PAGES_PERSISTENT, INJ_DMA_MAP,
+	INJ_PUT_PAGES, INJ_PUT_PAGES_PERSISTENT, INJ_DMA_UNMAP, INJ_COUNT
+};
+static const char *const inj_names[INJ_COUNT] = {
+	"get_pages", "get_pages_persistent", "dma_map_pages",
+	"put_pages", "put_pages_persistent", "dma_unmap_pages",
+};
 static atomic_t inj_left[INJ_COUNT];
 static int inj_errno[INJ_COUNT];
 static u32 free_delay_ms;
 static atomic_t race_free_on_pin;
+
+enum { DMA_MAP_PAGES, DMA_MAP_SHUFFLED, DMA_MAP_RUNS };
+static u32 dma_map_style = DMA_MAP_PAGES;
+static u32 deferred_teardown_ms;
+static u32 reuse_tables;
 static struct dentry *dbg_dir;
+
+#define TOPO_MAX	8
+static DEFINE_SPINLOCK(topo_lock);
+static struct {
+	int gpu;
+	char peer[32];
+} topo_deny[TOPO_MAX];
+static unsigned int topo_ndeny;
 
 static int injected(int which)
 {
@@ -238,6 +335,75 @@ static const struct file_operations inject_fops = {
 	.write = inject_write,
 };
 
+/* "<gpu index> <peer PCI name>" adds a denied pair, "clear" clears them all. */
+static ssize_t topo_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	char buf[64], peer[32];
+	unsigned int i;
+	int gpu;
+
+	if (n >= sizeof(buf))
+		return -EINVAL;
+	if (copy_from_user(buf, ubuf, n))
+		return -EFAULT;
+	buf[n] = 0;
+	if (!strcmp(strim(buf), "clear")) {
+		spin_lock(&topo_lock);
+		topo_ndeny = 0;
+		spin_unlock(&topo_lock);
+		return n;
+	}
+	if (sscanf(buf, "%d %31s", &gpu, peer) != 2 || gpu < 0 || gpu >= MAX_GPUS)
+		return -EINVAL;
+	spin_lock(&topo_lock);
+	for (i = 0; i < topo_ndeny; i++)
+		if (topo_deny[i].gpu == gpu && !strcmp(topo_deny[i].peer, peer))
+			break;
+	if (i == topo_ndeny) {
+		if (topo_ndeny == TOPO_MAX) {
+			spin_unlock(&topo_lock);
+			return -ENOSPC;
+		}
+		topo_deny[i].gpu = gpu;
+		strscpy(topo_deny[i].peer, peer, sizeof(topo_deny[i].peer));
+		topo_ndeny++;
+	}
+	spin_unlock(&topo_lock);
+	return n;
+}
+
+static ssize_t topo_read(struct file *f, char __user *ubuf, size_t n, loff_t *pos)
+{
+	char buf[TOPO_MAX * 48];
+	unsigned int i;
+	int len = 0;
+
+	spin_lock(&topo_lock);
+	for (i = 0; i < topo_ndeny; i++)
+		len += scnprintf(buf + len, sizeof(buf) - len, "%d %s\n",
+				 topo_deny[i].gpu, topo_deny[i].peer);
+	spin_unlock(&topo_lock);
+	return simple_read_from_buffer(ubuf, n, pos, buf, len);
+}
+
+static const struct file_operations topo_fops = {
+	.owner = THIS_MODULE,
+	.read = topo_read,
+	.write = topo_write,
+};
+
+static bool topo_denied(int gpu, struct pci_dev *peer)
+{
+	bool denied = false;
+	unsigned int i;
+
+	spin_lock(&topo_lock);
+	for (i = 0; i < topo_ndeny && !denied; i++)
+		denied = topo_deny[i].gpu == gpu && !strcmp(topo_deny[i].peer, pci_name(peer));
+	spin_unlock(&topo_lock);
+	return denied;
+}
+
 /* --- allocations ---------------------------------------------------------- */
 
 static void cost(u64 pages)
@@ -256,7 +422,7 @@ static void release_bar(struct emu_alloc *a)
 	bitmap_clear(a->gpu->used, a->chunk, a->size / GPU_PAGE);
 }
 
-/* BAR1 space of the pages [first, first + n) of @g. rm_lock held. */
+/* BAR1 space of the pages [first, first + n) of @g. rm_api_lock held. */
 static u64 bar1_needed(struct emu_gpu *g, u64 first, u64 n)
 {
 	u64 i, need = 0;
@@ -285,14 +451,70 @@ static void bar1_put(struct emu_gpu *g, u64 first, u64 n)
 			g->bar1_used -= GPU_PAGE;
 }
 
-/* Frees the struct once nothing refers to it. rm_lock held. */
+/* Frees the struct once nothing refers to it. rm_api_lock held. */
 static void maybe_destroy(struct emu_alloc *a)
 {
-	if (a->mapped || !a->freed || !list_empty(&a->tables) || a->persistent_pins)
+	if (a->mapped || !a->freed || !list_empty(&a->tables) || a->persistent_pins ||
+	    a->holds || a->deferred)
 		return;
 	release_bar(a);
 	list_del(&a->node);
 	kfree(a);
+}
+
+/* A page-table struct: with reuse_tables on, the most recently freed one, so
+ * a new pin gets the address of a just-freed table (as on a production
+ * kernel, where the slab hands the hot object out again). */
+static struct emu_table *table_alloc(void)
+{
+	struct emu_table *t = NULL;
+
+	if (READ_ONCE(reuse_tables)) {
+		spin_lock(&table_lock);
+		if (table_cached)
+			t = table_cache[--table_cached];
+		spin_unlock(&table_lock);
+		if (t) {
+			memset(t, 0, sizeof(*t));
+			atomic64_inc(&st_reused);
+			return t;
+		}
+	}
+	return kzalloc(sizeof(*t), GFP_KERNEL);
+}
+
+static void table_release(struct emu_table *t)
+{
+	if (READ_ONCE(reuse_tables)) {
+		spin_lock(&table_lock);
+		if (table_cached < TABLE_CACHE) {
+			table_cache[table_cached++] = t;
+			t = NULL;
+		}
+		spin_unlock(&table_lock);
+	}
+	kfree(t);
+}
+
+/* The table RM knows at @pt (live or in its callback), or NULL. Compares
+ * addresses only, never dereferences @pt. table_lock or rm_api_lock held. */
+static struct emu_table *find_table(struct nvidia_p2p_page_table *pt)
+{
+	struct emu_table *t;
+
+	hash_for_each_possible(live_tables, t, hnode, (unsigned long)pt)
+		if (&t->pt == pt)
+			return t;
+	return NULL;
+}
+
+/* RM forgets @t: no put, dma_map or dma_unmap reaches it any more. rm_api_lock held. */
+static void unlink_table(struct emu_table *t)
+{
+	spin_lock(&table_lock);
+	hash_del(&t->hnode);
+	t->dying = false;
+	spin_unlock(&table_lock);
 }
 
 static void free_mapping(struct emu_mapping *em)
@@ -309,48 +531,62 @@ static void free_mapping(struct emu_mapping *em)
 	atomic64_dec(&st_live_maps);
 }
 
-/* Unlinked table: free it and every DMA mapping made of it. */
+/* Unlinked table: free it and every DMA mapping made of it (nothing else
+ * can reach its mapping list any more). rm_api_lock held. */
 static void free_table(struct emu_table *t)
 {
 	struct emu_mapping *em, *tmp;
-	LIST_HEAD(doomed);
 
-	spin_lock(&t->lock);
-	list_splice_init(&t->mappings, &doomed);
-	spin_unlock(&t->lock);
-	list_for_each_entry_safe(em, tmp, &doomed, node)
+	list_for_each_entry_safe(em, tmp, &t->mappings, node) {
+		list_del(&em->node);
 		free_mapping(em);
+	}
 	bar1_put(t->alloc->gpu, t->first_chunk, t->pt.entries);
 	atomic64_sub(table_bytes(t->pt.entries), &st_bytes);
 	kvfree(t->pt.pages);
 	kvfree(t->page_structs);
 	kfree(t->pt.gpu_uuid);
-	kfree(t);
+	table_release(t);
 	atomic64_dec(&st_live_tables);
 }
 
-/* cudaFree: revoke every non-persistent pin (free callbacks, synchronously,
- * under the driver's lock), then free their tables. rm_lock held. */
-static void free_alloc(struct emu_alloc *a)
+/* cudaFree / client teardown: revoke every non-persistent pin (free
+ * callbacks, synchronously, under the RM lock), freeing each table and its
+ * mappings right after its callback returns. Returns the callbacks called.
+ * rm_api_lock held. */
+static unsigned int free_alloc(struct emu_alloc *a)
 {
 	struct emu_table *t, *tmp;
+	unsigned int n = 0;
 
 	if (a->freed)
-		return;
+		return 0;
 	a->freed = true;
 	list_for_each_entry_safe(t, tmp, &a->tables, node) {
 		if (t->persistent)
 			continue;
 		list_del_init(&t->node);
-		hash_del(&t->hnode);
+		spin_lock(&table_lock);
+		t->dying = true;
+		spin_unlock(&table_lock);
 		atomic64_inc(&st_callbacks);
+		n++;
 		if (free_delay_ms)
 			msleep(free_delay_ms);
-		t->cb(t->data);
+		if (READ_ONCE(unloading)) {
+			/* Every client module is gone by now: its callback too. */
+			pr_err("HARNESS FAILURE: free callback %ps(%p) still armed at unload (a leaked pin)\n",
+			       t->cb, t->data);
+			WARN(1, "nv_p2p_emu: pin leaked past its client's unload\n");
+		} else {
+			t->cb(t->data);
+		}
+		unlink_table(t);
 		free_table(t);
 	}
 	if (!a->persistent_pins)
 		release_bar(a);
+	return n;
 }
 
 static struct emu_alloc *find_alloc(struct mm_struct *mm, u64 va, u64 len)
@@ -366,20 +602,33 @@ static struct emu_alloc *find_alloc(struct mm_struct *mm, u64 va, u64 len)
 	return NULL;
 }
 
-struct race_work {
-	struct work_struct work;
-	struct emu_alloc *a;
-};
-
+/* A cudaFree racing a pin (race_free_on_pin). */
 static void race_free_fn(struct work_struct *w)
 {
-	struct race_work *rw = container_of(w, struct race_work, work);
+	struct emu_alloc *a = container_of(w, struct emu_alloc, race_work);
 
-	mutex_lock(&rm_lock);
-	free_alloc(rw->a);
-	maybe_destroy(rw->a);
-	mutex_unlock(&rm_lock);
-	kfree(rw);
+	rm_lock();
+	a->holds--;
+	free_alloc(a);
+	maybe_destroy(a);
+	rm_unlock();
+}
+
+/* RM's deferred client teardown on its nv_queue kernel thread: the owner has
+ * exited; its allocations die (callbacks first) when the thread gets to them. */
+static void deferred_teardown_fn(struct kthread_work *w)
+{
+	struct emu_alloc *a = container_of(w, struct emu_alloc, defer_work);
+	long left = (long)(a->defer_until - jiffies);
+
+	if (left > 0 && !READ_ONCE(unloading))
+		schedule_timeout_uninterruptible(left);
+	rm_lock();
+	a->holds--;
+	a->deferred = false;
+	atomic64_add(free_alloc(a), &st_deferred_cbs);
+	maybe_destroy(a);
+	rm_unlock();
 }
 
 static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
@@ -402,7 +651,7 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 	n = len / GPU_PAGE;
 	cost(n);
 
-	t = kzalloc(sizeof(*t), GFP_KERNEL);
+	t = table_alloc();
 	if (!t)
 		return -ENOMEM;
 	t->pt.pages = kvcalloc(n, sizeof(*t->pt.pages), GFP_KERNEL);
@@ -413,7 +662,9 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 		goto out_free;
 	}
 
-	mutex_lock(&rm_lock);
+	err = rm_enter(persistent ? "nvidia_p2p_get_pages_persistent" : "nvidia_p2p_get_pages");
+	if (err)
+		goto out_free;
 	a = find_alloc(current->mm, va, len);
 	if (IS_ERR_OR_NULL(a)) {
 		/* Not GPU memory of this process, or straddling an allocation. */
@@ -439,14 +690,16 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 		t->pt.pages[i] = &t->page_structs[i];
 	}
 	t->alloc = a;
+	t->tgid = current->tgid;
 	t->persistent = persistent;
 	t->force_bar1 = flags & NVIDIA_P2P_FLAGS_FORCE_BAR1_MAPPING;
 	t->cb = cb;
 	t->data = data;
-	spin_lock_init(&t->lock);
 	INIT_LIST_HEAD(&t->mappings);
 	list_add_tail(&t->node, &a->tables);
+	spin_lock(&table_lock);
 	hash_add(live_tables, &t->hnode, (unsigned long)&t->pt);
+	spin_unlock(&table_lock);
 	if (persistent)
 		a->persistent_pins++;
 	atomic64_inc(persistent ? &st_ppins : &st_pins);
@@ -455,25 +708,20 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 	*ptp = &t->pt;
 	if (!persistent && atomic_add_unless(&race_free_on_pin, -1, 0)) {
 		/* A cudaFree that arrives while this pin is in progress: it
-		 * waits for our lock, then revokes right after we return. */
-		struct race_work *rw = kzalloc(sizeof(*rw), GFP_KERNEL);
-
-		if (rw) {
-			INIT_WORK(&rw->work, race_free_fn);
-			rw->a = a;
-			schedule_work(&rw->work);
-		}
+		 * waits for the RM lock, then revokes right after we return. */
+		if (queue_work(race_wq, &a->race_work))
+			a->holds++;
 	}
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 	return 0;
 
 out_unlock:
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 out_free:
 	kvfree(t->pt.pages);
 	kvfree(t->page_structs);
 	kfree(t->pt.gpu_uuid);
-	kfree(t);
+	table_release(t);
 	return err;
 }
 
@@ -504,39 +752,59 @@ int nvidia_p2p_get_pages_persistent(uint64_t virtual_address, uint64_t length,
 }
 EXPORT_SYMBOL(nvidia_p2p_get_pages_persistent);
 
-/* Is @pt a live table? Compares pointers only (like RM's tracker). */
-static struct emu_table *lookup_table(struct nvidia_p2p_page_table *pt, bool persistent)
+/* Unpins @t (found live by its put). rm_api_lock held. */
+static void unpin(struct emu_table *t)
 {
-	struct emu_table *t;
+	struct emu_alloc *a = t->alloc;
+	bool persistent = t->persistent;
 
-	hash_for_each_possible(live_tables, t, hnode, (unsigned long)pt)
-		if (&t->pt == pt && t->persistent == persistent)
-			return t;
-	return NULL;
-}
-
-static int put_common(struct nvidia_p2p_page_table *pt, bool persistent)
-{
-	struct emu_table *t;
-	struct emu_alloc *a;
-
-	mutex_lock(&rm_lock);
-	t = lookup_table(pt, persistent);
-	if (!t) {
-		mutex_unlock(&rm_lock);
-		/* The free callback already took it (non-persistent): fine. */
-		return persistent ? -EINVAL : 0;
-	}
 	cost(t->pt.entries);
-	a = t->alloc;
 	list_del_init(&t->node);
-	hash_del(&t->hnode);
+	unlink_table(t);
 	free_table(t);
 	atomic64_inc(&st_unpins);
 	if (persistent && --a->persistent_pins == 0 && a->freed)
 		release_bar(a);
 	maybe_destroy(a);
-	mutex_unlock(&rm_lock);
+}
+
+/*
+ * Non-persistent unpin, as RmP2PGetInfoWithoutToken() finds it: among the
+ * pins of the calling process only. From any other process it finds
+ * nothing, and nv-p2p.c turns "not found" into success: 0, with the pin, its
+ * BAR1 mapping and its armed callback all left in place.
+ */
+static int put_pages(struct nvidia_p2p_page_table *pt)
+{
+	struct emu_table *t;
+	int err;
+
+	/* Covers -ENOMEM before RM and RM's other errors: nothing changes. */
+	err = injected(INJ_PUT_PAGES);
+	if (err) {
+		atomic64_inc(&st_failed_unpins);
+		return err;
+	}
+	err = rm_enter("nvidia_p2p_put_pages");
+	if (err) {
+		WARN(1, "nv_p2p_emu: nvidia_p2p_put_pages(%p) re-entered RM\n", pt);
+		return err;
+	}
+	t = find_table(pt);
+	if (!t || t->dying || t->persistent) {
+		/* The free callback already took it: fine. */
+		rm_unlock();
+		return 0;
+	}
+	if (t->tgid != current->tgid) {
+		atomic64_inc(&st_foreign_puts);
+		pr_info_ratelimited("NVRM: nvidia_p2p_put_pages(%p) from process %d (%s), pinned by process %d: not found, pin and callback kept\n",
+				    pt, current->tgid, current->comm, t->tgid);
+		rm_unlock();
+		return 0;
+	}
+	unpin(t);
+	rm_unlock();
 	return 0;
 }
 
@@ -547,41 +815,169 @@ int nvidia_p2p_put_pages(uint64_t p2p_token, uint32_t va_space, uint64_t virtual
 		return 0;
 	u64 t0 = clock_start();
 
-	return timed(t0, put_common(page_table, false));
+	return timed(t0, put_pages(page_table));
 }
 EXPORT_SYMBOL(nvidia_p2p_put_pages);
+
+/* The real driver dereferences the freed page table here: a client bug the
+ * run must fail on. */
+static void stale_use(const char *fn, struct nvidia_p2p_page_table *pt)
+{
+	atomic64_inc(&st_stale);
+	pr_err("HARNESS FAILURE: stale %s(%p)\n", fn, pt);
+	WARN(1, "nv_p2p_emu: %s on a page table that is not live (use after free in the real driver)\n", fn);
+}
+
+/* Persistent unpin: found through the page table itself, whatever the process. */
+static int put_pages_persistent(struct nvidia_p2p_page_table *pt)
+{
+	struct emu_table *t;
+	int err;
+
+	err = injected(INJ_PUT_PAGES_PERSISTENT);
+	if (err) {
+		atomic64_inc(&st_failed_unpins);
+		return err;
+	}
+	err = rm_enter("nvidia_p2p_put_pages_persistent");
+	if (err) {
+		WARN(1, "nv_p2p_emu: nvidia_p2p_put_pages_persistent(%p) re-entered RM\n", pt);
+		return err;
+	}
+	t = find_table(pt);
+	if (!t || !t->persistent) {
+		rm_unlock();
+		stale_use("nvidia_p2p_put_pages_persistent", pt);
+		return -EINVAL;
+	}
+	unpin(t);
+	rm_unlock();
+	return 0;
+}
 
 int nvidia_p2p_put_pages_persistent(uint64_t virtual_address,
 				    struct nvidia_p2p_page_table *page_table, uint32_t flags)
 {
-	if (flags || !page_table)
+	if (flags)
 		return -EINVAL;
+	if (!page_table)
+		return 0;
 	u64 t0 = clock_start();
 
-	return timed(t0, put_common(page_table, true));
+	return timed(t0, put_pages_persistent(page_table));
 }
 EXPORT_SYMBOL(nvidia_p2p_put_pages_persistent);
+
+static u32 xorshift32(u32 *s)
+{
+	u32 x = *s;
+
+	x ^= x << 13;
+	x ^= x >> 17;
+	x ^= x << 5;
+	return *s = x;
+}
+
+/*
+ * The mapping itself (RM's part): dma_addresses[] holds the physical
+ * addresses on entry and the DMA addresses on success. rm_api_lock held.
+ */
+static int map_pages(struct emu_mapping *em, struct pci_dev *peer, u32 n, u32 style)
+{
+	u64 *addr = em->m.dma_addresses;
+	u32 *order = NULL;
+	u32 i, k, r;
+
+	if (style == DMA_MAP_RUNS) {
+		/* One dma_map_resource per physically contiguous run:
+		 * contiguous bus addresses, as without translation. */
+		for (i = 0; i < n; i = r) {
+			phys_addr_t start = addr[i];
+			dma_addr_t dma;
+			u64 len;
+
+			for (r = i + 1; r < n; r++)
+				if (addr[r] != start + (u64)(r - i) * GPU_PAGE)
+					break;
+			len = (u64)(r - i) * GPU_PAGE;
+			dma = dma_map_resource(&peer->dev, start, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+			if (dma_mapping_error(&peer->dev, dma))
+				return -EIO;
+			em->runs[em->nruns].dma = dma;
+			em->runs[em->nruns].len = len;
+			em->nruns++;
+			for (k = i; k < r; k++)
+				addr[k] = dma + (u64)(k - i) * GPU_PAGE;
+		}
+		return 0;
+	}
+	if (style == DMA_MAP_SHUFFLED && n > 1) {
+		/* A seeded permutation: under a translating IOMMU consecutive
+		 * pages then get scattered IOVAs. */
+		static atomic_t seed;
+		u32 s = (u32)atomic_inc_return(&seed) * 2654435761u | 1;
+
+		order = kvmalloc_array(n, sizeof(*order), GFP_KERNEL);
+		if (!order)
+			return -ENOMEM;
+		for (i = 0; i < n; i++)
+			order[i] = i;
+		for (i = n - 1; i > 0; i--) {
+			k = xorshift32(&s) % (i + 1);
+			swap(order[i], order[k]);
+		}
+	}
+	/* RM's way: one mapping per 64 KiB page (nv_dma_map_peer). */
+	for (k = 0; k < n; k++) {
+		dma_addr_t dma;
+
+		i = order ? order[k] : k;
+		dma = dma_map_resource(&peer->dev, addr[i], GPU_PAGE, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+		if (dma_mapping_error(&peer->dev, dma)) {
+			kvfree(order);
+			return -EIO;
+		}
+		em->runs[em->nruns].dma = dma;
+		em->runs[em->nruns].len = GPU_PAGE;
+		em->nruns++;
+		addr[i] = dma;
+	}
+	kvfree(order);
+	return 0;
+}
+
+static struct emu_gpu *gpu_by_uuid(const u8 *uuid)
+{
+	int i;
+
+	for (i = 0; i < ngpus; i++)
+		if (!memcmp(gpus[i]->uuid, uuid, NVIDIA_P2P_GPU_UUID_LEN))
+			return gpus[i];
+	return NULL;
+}
 
 static int dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
 			 struct nvidia_p2p_dma_mapping **dma_mapping)
 {
+	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
 	struct emu_table *t;
 	struct emu_mapping *em;
-	u32 i, n, r;
+	struct emu_gpu *g;
+	u32 i, n, ps;
 	int err;
 
 	if (!peer || !page_table || !dma_mapping || !page_table->gpu_uuid)
 		return -EINVAL;
-	/* Like the real driver: trust the pointer (KASAN flags a stale one). */
+	/* Like the real driver: trust the pointer and read the table before
+	 * entering RM (KASAN flags a freed one; a reused one is silently read). */
 	t = container_of(page_table, struct emu_table, pt);
-	if (WARN_ON(page_table->page_size != NVIDIA_P2P_PAGE_SIZE_64KB))
-		return -EINVAL;
 	if (t->force_bar1)
 		return -ENOTSUPP;
-	err = injected(INJ_DMA_MAP);
-	if (err)
-		return err;
-	n = page_table->entries;
+	(void)READ_ONCE(page_table->version);
+	ps = READ_ONCE(page_table->page_size);
+	if (WARN_ON(ps != NVIDIA_P2P_PAGE_SIZE_64KB))
+		return -EINVAL;
+	n = READ_ONCE(page_table->entries);
 	em = kzalloc(sizeof(*em), GFP_KERNEL);
 	if (!em)
 		return -ENOMEM;
@@ -591,36 +987,49 @@ static int dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *pag
 		err = -ENOMEM;
 		goto fail;
 	}
-	/* One dma_map_resource per physically contiguous run: contiguous bus
-	 * addresses with or without an IOMMU. */
-	for (i = 0; i < n; i = r) {
-		phys_addr_t start = page_table->pages[i]->physical_address;
-		dma_addr_t dma;
-		u64 len;
-		u32 k;
+	memcpy(uuid, page_table->gpu_uuid, sizeof(uuid));
+	for (i = 0; i < n; i++)
+		em->m.dma_addresses[i] = page_table->pages[i]->physical_address;
 
-		for (r = i + 1; r < n; r++)
-			if (page_table->pages[r]->physical_address != start + (u64)(r - i) * GPU_PAGE)
-				break;
-		len = (u64)(r - i) * GPU_PAGE;
-		dma = dma_map_resource(&peer->dev, start, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
-		if (dma_mapping_error(&peer->dev, dma)) {
-			err = -EIO;
-			goto fail;
-		}
-		em->runs[em->nruns].dma = dma;
-		em->runs[em->nruns].len = len;
-		em->nruns++;
-		for (k = i; k < r; k++)
-			em->m.dma_addresses[k] = dma + (u64)(k - i) * GPU_PAGE;
+	/* rm_p2p_dma_map_pages(): under the RM lock. */
+	err = rm_enter("nvidia_p2p_dma_map_pages");
+	if (err)
+		goto fail;
+	err = injected(INJ_DMA_MAP);
+	if (err)
+		goto unlock;
+	g = gpu_by_uuid(uuid);
+	if (!g) {
+		err = -EINVAL;
+		goto unlock;
 	}
+	if (topo_denied(g->index, peer)) {
+		atomic64_inc(&st_topo_refusals);
+		pr_info_ratelimited("NVRM: GPU %d (%s) and peer %s: GPUDirect RDMA not supported by topology (no common PCIe switch)\n",
+				    g->index, pci_name(g->pdev), pci_name(peer));
+		err = -ENOTSUPP;
+		goto unlock;
+	}
+	err = map_pages(em, peer, n, READ_ONCE(dma_map_style));
+unlock:
+	rm_unlock();
+	if (err)
+		goto fail;
+
 	em->m.version = dma_mapping_version;
-	em->m.page_size_type = page_table->page_size;
+	em->m.page_size_type = ps;
 	em->m.entries = n;
 	em->m.pci_dev = peer;
-	spin_lock(&t->lock);
+	/* Linked to the table after leaving RM, like nv_p2p_insert_dma_mapping(). */
+	spin_lock(&table_lock);
+	if (find_table(page_table) != t) {
+		spin_unlock(&table_lock);
+		stale_use("nvidia_p2p_dma_map_pages", page_table);
+		err = -EINVAL;
+		goto fail;
+	}
 	list_add_tail(&em->node, &t->mappings);
-	spin_unlock(&t->lock);
+	spin_unlock(&table_lock);
 	atomic64_inc(&st_live_maps);
 	atomic64_inc(&st_dma_maps);
 	atomic64_add(mapping_bytes(n), &st_bytes);
@@ -645,17 +1054,30 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table 
 }
 EXPORT_SYMBOL(nvidia_p2p_dma_map_pages);
 
+/*
+ * Never enters RM (nv-p2p.c unlinks the mapping from the table's own list),
+ * so it works from inside a free callback. The table must still be one RM
+ * knows: on a freed one the real driver takes a freed semaphore.
+ */
 static int dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
 			   struct nvidia_p2p_dma_mapping *dma_mapping)
 {
 	struct emu_table *t;
 	struct emu_mapping *em, *found = NULL;
+	int err;
 
 	if (!peer || !page_table || !dma_mapping)
 		return -EINVAL;
-	/* Like the real driver: dereferences the table (KASAN flags a stale one). */
-	t = container_of(page_table, struct emu_table, pt);
-	spin_lock(&t->lock);
+	err = injected(INJ_DMA_UNMAP);
+	if (err)
+		return err;
+	spin_lock(&table_lock);
+	t = find_table(page_table);
+	if (!t) {
+		spin_unlock(&table_lock);
+		stale_use("nvidia_p2p_dma_unmap_pages", page_table);
+		return 0;
+	}
 	list_for_each_entry(em, &t->mappings, node) {
 		if (&em->m == dma_mapping) {
 			list_del(&em->node);
@@ -663,7 +1085,7 @@ static int dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *p
 			break;
 		}
 	}
-	spin_unlock(&t->lock);
+	spin_unlock(&table_lock);
 	if (!found)
 		return 0;
 	WARN_ON(peer != found->m.pci_dev);
@@ -707,15 +1129,30 @@ EXPORT_SYMBOL(nvidia_p2p_destroy_mapping);
 
 /* --- user interface: "cudaMalloc/cudaFree" -------------------------------- */
 
+/*
+ * munmap, or the owner's exit. With deferred_teardown_ms set, an exit's
+ * teardown goes to the nv_queue kernel thread instead (RM's deferred fd
+ * close): the callbacks then come from a kernel thread after the owner is
+ * gone, and after the owner's other files (its RDMA fd) were closed.
+ */
 static void emu_vma_close(struct vm_area_struct *vma)
 {
 	struct emu_alloc *a = vma->vm_private_data;
+	u32 ms = READ_ONCE(deferred_teardown_ms);
 
-	mutex_lock(&rm_lock);
-	free_alloc(a);
+	rm_lock();
 	a->mapped = false;
+	if (ms && (current->flags & PF_EXITING) && !a->freed) {
+		a->deferred = true;
+		a->defer_until = jiffies + msecs_to_jiffies(ms);
+		a->holds++;
+		kthread_queue_work(nv_queue, &a->defer_work);
+		rm_unlock();
+		return;
+	}
+	free_alloc(a);
 	maybe_destroy(a);
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 }
 
 static int emu_vma_may_split(struct vm_area_struct *vma, unsigned long addr)
@@ -741,15 +1178,15 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 	struct emu_alloc *a, *found = NULL;
 	int err;
 
-	mutex_lock(&rm_lock);
+	rm_lock();
 	list_for_each_entry(a, &allocs, node) {
-		if (a->offset == off && a->file == file && !a->mapped && !a->freed) {
+		if (a->offset == off && a->file == file && !a->mapped && !a->freed && !a->deferred) {
 			found = a;
 			break;
 		}
 	}
 	if (!found || found->size != size || !IS_ALIGNED(vma->vm_start, GPU_PAGE)) {
-		mutex_unlock(&rm_lock);
+		rm_unlock();
 		return -EINVAL;
 	}
 	vm_flags_set(vma, VM_IO | VM_PFNMAP | VM_DONTEXPAND | VM_DONTCOPY | VM_DONTDUMP);
@@ -758,14 +1195,14 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 				 (found->gpu->bar + found->chunk * GPU_PAGE) >> PAGE_SHIFT,
 				 size, vma->vm_page_prot);
 	if (err) {
-		mutex_unlock(&rm_lock);
+		rm_unlock();
 		return err;
 	}
 	found->va = vma->vm_start;
 	found->mapped = true;
 	vma->vm_private_data = found;
 	vma->vm_ops = &emu_vm_ops;
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 	return 0;
 }
 
@@ -800,10 +1237,13 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 	a = kzalloc(sizeof(*a), GFP_KERNEL);
 	if (!a)
 		return -ENOMEM;
-	mutex_lock(&rm_lock);
+	INIT_LIST_HEAD(&a->tables);
+	INIT_WORK(&a->race_work, race_free_fn);
+	kthread_init_work(&a->defer_work, deferred_teardown_fn);
+	rm_lock();
 	start = bitmap_find_next_zero_area(g->used, g->nchunks, 0, chunks, 0);
 	if (start >= g->nchunks) {
-		mutex_unlock(&rm_lock);
+		rm_unlock();
 		kfree(a);
 		return -ENOMEM;
 	}
@@ -814,11 +1254,10 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 	a->chunk = start;
 	a->size = (u64)chunks * GPU_PAGE;
 	a->offset = ((u64)(g->index + 1) << 40) + (u64)start * GPU_PAGE;
-	INIT_LIST_HEAD(&a->tables);
 	list_add_tail(&a->node, &allocs);
-	mutex_unlock(&rm_lock);
 	arg.offset = a->offset;
 	arg.size = a->size;
+	rm_unlock();
 	if (copy_to_user(uarg, &arg, sizeof(arg)))
 		return -EFAULT;	/* freed when the file closes */
 	return 0;
@@ -831,7 +1270,7 @@ static long emu_free_ioctl(u64 __user *uva)
 
 	if (get_user(va, uva))
 		return -EFAULT;
-	mutex_lock(&rm_lock);
+	rm_lock();
 	list_for_each_entry(a, &allocs, node) {
 		if (a->mapped && !a->freed && a->mm == current->mm && a->va == va) {
 			found = a;
@@ -840,7 +1279,7 @@ static long emu_free_ioctl(u64 __user *uva)
 	}
 	if (found)
 		free_alloc(found);
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 	return found ? 0 : -EINVAL;
 }
 
@@ -850,7 +1289,7 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	struct emu_alloc *a;
 	int i;
 
-	mutex_lock(&rm_lock);
+	rm_lock();
 	info.gpus = ngpus;
 	for (i = 0; i < ngpus; i++) {
 		info.bar_size[i] = gpus[i]->bar1_budget;
@@ -859,7 +1298,7 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	list_for_each_entry(a, &allocs, node)
 		if (!a->released)
 			info.live_allocs++;
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 	info.pins = atomic64_read(&st_pins);
 	info.persistent_pins = atomic64_read(&st_ppins);
 	info.unpins = atomic64_read(&st_unpins);
@@ -869,6 +1308,13 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	info.dma_maps = atomic64_read(&st_dma_maps);
 	info.provider_bytes = atomic64_read(&st_bytes);
 	info.provider_ns = atomic64_read(&st_ns);
+	info.foreign_puts = atomic64_read(&st_foreign_puts);
+	info.failed_unpins = atomic64_read(&st_failed_unpins);
+	info.stale_puts = atomic64_read(&st_stale);
+	info.deferred_callbacks = atomic64_read(&st_deferred_cbs);
+	info.reused_tables = atomic64_read(&st_reused);
+	info.topo_refusals = atomic64_read(&st_topo_refusals);
+	info.rm_reentries = atomic64_read(&st_reentries);
 	return copy_to_user(uarg, &info, sizeof(info)) ? -EFAULT : 0;
 }
 
@@ -886,19 +1332,19 @@ static long emu_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 }
 
 /* Allocations never mapped die with the file (mapped ones die with the VMA,
- * which holds the file open). */
+ * which holds the file open; deferred ones on nv_queue). */
 static int emu_release(struct inode *inode, struct file *file)
 {
 	struct emu_alloc *a, *tmp;
 
-	mutex_lock(&rm_lock);
+	rm_lock();
 	list_for_each_entry_safe(a, tmp, &allocs, node) {
-		if (a->file == file && !a->mapped) {
+		if (a->file == file && !a->mapped && !a->deferred) {
 			free_alloc(a);
 			maybe_destroy(a);
 		}
 	}
-	mutex_unlock(&rm_lock);
+	rm_unlock();
 	return 0;
 }
 
@@ -974,28 +1420,53 @@ static int __init emu_init(void)
 {
 	int err, i;
 
+	race_wq = alloc_workqueue("nv_p2p_emu_race", WQ_UNBOUND, 0);
+	if (!race_wq)
+		return -ENOMEM;
+	nv_queue = kthread_run_worker(0, "nv_queue");
+	if (IS_ERR(nv_queue)) {
+		destroy_workqueue(race_wq);
+		return PTR_ERR(nv_queue);
+	}
 	err = pci_register_driver(&emu_driver);
 	if (err)
-		return err;
+		goto out_workers;
 	err = misc_register(&emu_misc);
 	if (err) {
 		pci_unregister_driver(&emu_driver);
-		return err;
+		goto out_workers;
 	}
 	dbg_dir = debugfs_create_dir("nv_p2p_emu", NULL);
 	debugfs_create_file("inject", 0200, dbg_dir, NULL, &inject_fops);
 	debugfs_create_u32("free_delay_ms", 0600, dbg_dir, &free_delay_ms);
 	debugfs_create_atomic_t("race_free_on_pin", 0600, dbg_dir, &race_free_on_pin);
+	debugfs_create_u32("dma_map_style", 0600, dbg_dir, &dma_map_style);
+	debugfs_create_u32("deferred_teardown_ms", 0600, dbg_dir, &deferred_teardown_ms);
+	debugfs_create_u32("reuse_tables", 0600, dbg_dir, &reuse_tables);
+	debugfs_create_file("topo_deny", 0600, dbg_dir, NULL, &topo_fops);
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);
 	pr_info("%d emulated GPU(s), page table version %#x\n", ngpus, page_table_version);
 	return 0;
+
+out_workers:
+	kthread_destroy_worker(nv_queue);
+	destroy_workqueue(race_wq);
+	return err;
 }
 
 static void __exit emu_exit(void)
 {
 	debugfs_remove_recursive(dbg_dir);
 	misc_deregister(&emu_misc);
+	/* No file is open and every client module is gone; queued teardowns
+	 * still run (now, and without calling into unloaded clients) before
+	 * the GPUs go away. */
+	WRITE_ONCE(unloading, true);
+	destroy_workqueue(race_wq);
+	kthread_destroy_worker(nv_queue);
+	while (table_cached)
+		kfree(table_cache[--table_cached]);
 	pci_unregister_driver(&emu_driver);
 }
 

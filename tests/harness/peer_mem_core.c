@@ -3,20 +3,71 @@
  * peer_mem_core: an emulated RDMA peer-memory core for the peermem-rs testbed.
  *
  * Exports ib_register_peer_memory_client / ib_unregister_peer_memory_client
- * with the ABI of the real peer_mem.h and follows the OFED >= 5.5 algorithm
- * (peer_mem.c / umem.c): clients in registration order under one global
- * mutex, IB_PEER_MEM_INVAL_SUPP filtering, xarray ids as core_context, a
- * per-umem mapping_lock held from get_pages until the "HW driver" arms the
- * invalidation notifier, the first/last SGE fix-up from get_page_size, both
- * invalidation flows (with and without PEER_MEM_INVALIDATE_UNMAPS), OFED's
- * error unwinding, unregister blocking until every umem is gone, and the
- * /sys/kernel/mm/memory_peers/<name>/ statistics.
+ * with the ABI of the real peer_mem.h. User space registers through
+ * /dev/peer_mem_core ("ibv_reg_mr"); the "HCA" is QEMU's edu device: it is the
+ * dma_device handed to clients, and its DMA engine moves bytes through the DMA
+ * addresses of an MR, refusing once the MR was invalidated or deregistered.
  *
- * User space registers through /dev/peer_mem_core ("ibv_reg_mr"): the core
- * first tries pin_user_pages_fast like ib_umem_get, then the peer clients.
- * The "HCA" is QEMU's edu device: it is the dma_device handed to clients, and
- * its DMA engine moves bytes through the DMA addresses of an MR, refusing once
- * the MR was invalidated or deregistered.
+ * Real behaviour modelled, and where it comes from (MLNX_OFED / DOCA OFED
+ * mlnx-ofa_kernel; "4.x" is OFED 4.0/4.1, the rest is OFED >= 5.5):
+ *
+ *  - RLIMIT_MEMLOCK: the page count of the whole range is charged to
+ *    mm->pinned_vm before pin_user_pages_fast and before any peer client is
+ *    asked; no RLIMIT_MEMLOCK at all is -EPERM (can_do_mlock), over the limit
+ *    is -ENOMEM, both unless CAP_IPC_LOCK. The owning mm is kept (mmgrab) and
+ *    uncharged at release, whoever releases.
+ *    [core/umem.c __ib_umem_get(), core/peer_mem.c ib_peer_umem_release()]
+ *  - pin_user_pages_fast first; only when it fails are the peer clients
+ *    asked, and if none claims the range the GUP error is returned.
+ *    [core/umem.c __ib_umem_get()]
+ *  - acquire under the global peer_memory_mutex, clients in registration
+ *    order, invalidating clients skipped unless IB_PEER_MEM_INVAL_SUPP.
+ *    [core/peer_mem.c ib_get_peer_client()]
+ *  - core_context is an xa_alloc_cyclic id in [0, U32_MAX - 1] for
+ *    invalidating clients, U32_MAX otherwise; the umem's mapping_lock is taken
+ *    before get_pages and, for an invalidating umem, held until the HCA driver
+ *    arms the notifier after creating its mkey (activate_delay_ms widens that
+ *    window). [core/peer_mem.c ib_peer_umem_get(),
+ *    ib_umem_activate_invalidation_notifier(); hw/mlx5/mr.c create_real_mr()]
+ *  - get_page_size after dma_map and the first/last SGE fix-up, undone before
+ *    the client sees the table again. [core/peer_mem.c fix_peer_sgls(),
+ *    ib_unmap_peer_client()]
+ *  - error unwinding: dma_map fails -> put_pages, erase id, release;
+ *    get_pages fails -> erase id, release. [core/peer_mem.c ib_peer_umem_get()]
+ *  - mkey creation failing after a successful map (debugfs fail_after_map):
+ *    ib_umem_stop_invalidation_notifier() then the full release.
+ *    [hw/mlx5/mr.c create_real_mr(); core/peer_mem.c]
+ *  - invalidate: id looked up under xa_lock (unknown: return 0), kref, then
+ *    mapping_lock; the client is read from the umem; the HCA hook revokes the
+ *    mkey; then dma_unmap + put_pages under mapping_lock from inside the free
+ *    callback, or, for PEER_MEM_INVALIDATE_UNMAPS clients, only the state
+ *    change. [core/peer_mem.c ib_invalidate_peer_memory(),
+ *    ib_peer_unmap_on_invalidate()]
+ *  - dereg: revoke the mkey, stop the notifier (unmap under mapping_lock, or
+ *    after it with INVALIDATE_UNMAPS), then release; release is never called
+ *    under mapping_lock and clears the umem's client pointer, so an
+ *    invalidate that still holds a kref reads NULL: reported here as a harness
+ *    failure. [core/peer_mem.c ib_umem_stop_invalidation_notifier(),
+ *    ib_peer_umem_release(); hw/mlx5/mr.c]
+ *  - unregister blocks until every umem of the client is released.
+ *    [core/peer_mem.c ib_unregister_peer_memory_client()]
+ *  - /sys/kernel/mm/memory_peers/<name>/ statistics (OFED <= 23.10).
+ *    [core/peer_mem.c]
+ *  - variant=1, OFED 4.x, for clients without PEER_MEM_INVALIDATE_UNMAPS:
+ *    core_context is a ticket counted from 1 (0: the caller has no
+ *    IB_PEER_MEM_INVAL_SUPP), assigned under the per-client mutex;
+ *    get_page_size is read before dma_map; no mapping_lock: an invalidate
+ *    before activation only marks the umem and activation then fails the
+ *    registration (-EINVAL) through a normal release; the invalidate runs
+ *    under the per-client mutex, waits for the MR to be created, and the HCA
+ *    driver deregisters the MR inside it: dma_unmap, put_pages and release
+ *    run inside the free callback, leaving a dead MR that a later dereg only
+ *    frees; when a dereg won the race the invalidate waits for it to remove
+ *    the ticket. [OFED 4.1 core/peer_mem.c ib_invalidate_peer_memory(),
+ *    ib_peer_insert_context(), ib_peer_destroy_invalidation_ctx();
+ *    core/umem.c peer_umem_get(), peer_umem_release(),
+ *    ib_umem_activate_invalidation_notifier(); hw/mlx5/mr.c
+ *    mlx5_invalidate_umem(), mlx5_ib_dereg_mr(), mlx5_ib_reg_user_mr()]
  *
  * Written in C: it exports C symbols by name, builds sysfs kobjects, and
  * uses xa_alloc_cyclic and pin_user_pages_fast, none of which the 7.3 Rust
@@ -24,18 +75,26 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/capability.h>
+#include <linux/completion.h>
+#include <linux/debugfs.h>
 #include <linux/delay.h>
 #include <linux/dma-mapping.h>
 #include <linux/kernfs.h>
 #include <linux/kobject.h>
 #include <linux/kref.h>
+#include <linux/lockdep.h>
+#include <linux/log2.h>
 #include <linux/miscdevice.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
 #include <linux/scatterlist.h>
+#include <linux/sched/mm.h>
+#include <linux/sched/signal.h>
 #include <linux/slab.h>
+#include <linux/spinlock.h>
 #include <linux/sysfs.h>
 #include <linux/uaccess.h>
 #include <linux/wait.h>
@@ -44,8 +103,10 @@
 #include "peer_mem.h"
 #include "uapi.h"
 
-/* Time spent inside the client's callbacks, for make bench: minus the
- * provider's own time (nv_p2p_emu's provider_ns) it is the client's. */
+/*
+ * Time spent inside the client's callbacks, for make bench: minus the
+ * provider's own time (nv_p2p_emu's provider_ns) it is the client's.
+ */
 static atomic64_t st_client_ns;
 
 static int client_ns_get(char *buf, const struct kernel_param *kp)
@@ -61,6 +122,57 @@ MODULE_PARM_DESC(client_ns, "nanoseconds spent inside peer-memory client callbac
 static bool bench_timing;
 module_param(bench_timing, bool, 0644);
 MODULE_PARM_DESC(bench_timing, "account the time spent inside client callbacks (client_ns)");
+
+static unsigned int activate_delay_ms;
+module_param(activate_delay_ms, uint, 0644);
+MODULE_PARM_DESC(activate_delay_ms,
+		 "ms the HCA spends creating the mkey of an umem with a core_context (>= 5.5: mapping_lock held; 4.x: after activation)");
+
+static unsigned int map_delay_ms;
+module_param(map_delay_ms, uint, 0644);
+MODULE_PARM_DESC(map_delay_ms,
+		 "ms between get_pages and dma_map of an umem with a core_context (>= 5.5: mapping_lock held), to land a free in that window");
+
+enum pmc_variant {
+	PMC_OFED55 = 0,		/* OFED >= 5.5, Ubuntu SAUCE */
+	PMC_OFED4 = 1,		/* OFED 4.x (peerdirect_support=1 users) */
+};
+
+static unsigned int core_variant;
+
+static int variant_set(const char *val, const struct kernel_param *kp)
+{
+	return param_set_uint_minmax(val, kp, PMC_OFED55, PMC_OFED4);
+}
+
+static const struct kernel_param_ops variant_ops = {
+	.set = variant_set,
+	.get = param_get_uint,
+};
+module_param_cb(variant, &variant_ops, &core_variant, 0644);
+MODULE_PARM_DESC(variant,
+		 "0: OFED >= 5.5 core; 1: OFED 4.x core for clients without PEER_MEM_INVALIDATE_UNMAPS (read at each registration)");
+
+static bool memlock_ignore_cap;
+module_param(memlock_ignore_cap, bool, 0644);
+MODULE_PARM_DESC(memlock_ignore_cap,
+		 "enforce RLIMIT_MEMLOCK even with CAP_IPC_LOCK (lets a root test hit the limit)");
+
+static atomic64_t st_memlock_refusals, st_failed_after_map, st_activate_refusals;
+
+static int stat_get(char *buf, const struct kernel_param *kp)
+{
+	return sysfs_emit(buf, "%lld\n", atomic64_read(kp->arg));
+}
+
+static const struct kernel_param_ops stat_ops = { .get = stat_get };
+module_param_cb(memlock_refusals, &stat_ops, &st_memlock_refusals, 0444);
+MODULE_PARM_DESC(memlock_refusals, "registrations refused by RLIMIT_MEMLOCK (EPERM or ENOMEM)");
+module_param_cb(failed_after_map, &stat_ops, &st_failed_after_map, 0444);
+MODULE_PARM_DESC(failed_after_map, "registrations failed by fail_after_map after a successful dma_map");
+module_param_cb(activate_refusals, &stat_ops, &st_activate_refusals, 0444);
+MODULE_PARM_DESC(activate_refusals,
+		 "OFED 4.x registrations failed because the peer invalidated before activation");
 
 static u64 client_clock(void)
 {
@@ -91,6 +203,7 @@ enum ib_peer_mem_flags {
 };
 
 #define PEER_NO_INVALIDATION_ID U32_MAX
+#define PEER_NO_TICKET 0		/* OFED 4.x */
 
 enum umem_state {
 	UMEM_NONE,
@@ -108,18 +221,27 @@ struct peer_client {
 	bool unmaps;			/* extended with PEER_MEM_INVALIDATE_UNMAPS */
 	atomic_t umems;
 	wait_queue_head_t wq;
+	/* core_context -> umem: >= 5.5 ids and 4.x tickets, never equal */
 	struct xarray umem_xa;
 	u32 xa_next;
+	struct mutex lock;		/* 4.x ib_peer_client->lock */
+	u32 last_ticket;		/* 4.x: next ticket, from 1 */
 	atomic64_t num_alloc_mrs, num_dealloc_mrs, num_reg_pages, num_dereg_pages;
 	atomic64_t num_reg_bytes, num_dereg_bytes, num_free_callbacks;
 };
 
 struct pmc_umem {
 	struct kref kref;
-	struct mutex mapping_lock;
+	struct mutex mapping_lock;	/* state, sgt, revoked; the registration */
+	/*
+	 * NULL once the client released it (fact 14): only the invalidate
+	 * reads it after that, everything else keeps its own pointer.
+	 */
 	struct peer_client *client;
+	char client_name[IB_PEER_MEMORY_NAME_MAX];
 	void *ctx;
-	u32 xa_id;
+	u32 xa_id;			/* core_context: id, or 4.x ticket */
+	enum pmc_variant variant;	/* of the core that made it */
 	enum umem_state state;
 	bool hook_armed;		/* the "mkey" is live */
 	bool revoked;			/* the device can no longer reach it */
@@ -135,7 +257,37 @@ struct pmc_umem {
 	/* host memory pinned by pin_user_pages_fast */
 	struct page **pages;
 	unsigned long npages;
+	/* RLIMIT_MEMLOCK charge; mm is NULL once uncharged */
+	struct mm_struct *mm;
+	unsigned long charged;
+	/* 4.x: invalidation_ctx and mlx5_ib_peer_id, under client->lock */
+	bool v4_func;			/* the notifier was activated */
+	bool v4_peer_invalidated;	/* invalidated before activation */
+	bool v4_inflight;		/* an invalidate waits for a dereg */
+	bool v4_mr_live;		/* the MR was created */
+	atomic_t v4_invalidated;	/* mlx5 mr->invalidated */
+	struct completion v4_mr_ready;	/* mlx5_ib_peer_id->comp */
+	struct completion v4_dereg_done; /* mlx5 mr->invalidation_comp */
+	struct completion v4_ticket_gone; /* invalidation_ctx->comp */
 };
+
+/*
+ * Lockdep classes of mapping_lock. In the real core every umem's mapping_lock
+ * shares one class. They are split here because a non-invalidating
+ * (persistent) umem's mapping_lock may legitimately be held while the client
+ * waits for the GPU driver's lock (get_pages/dma_map), which a free callback
+ * never waits for (persistent pins have no callback); keeping one class would
+ * make lockdep report an inversion between unrelated umems across test modes.
+ * An invalidating umem's mapping_lock held while a client waits for the GPU
+ * driver's lock IS the real ABBA (the free callback holds that lock and waits
+ * for mapping_lock in the invalidate) and must still be reported: those umems
+ * keep a class of their own. OFED 4.x has no mapping_lock at all; its umems
+ * use it only to keep the harness's own DMA and queries away, under the
+ * per-client mutex, so they get a third class.
+ */
+static struct lock_class_key mapping_lock_inval_key;
+static struct lock_class_key mapping_lock_persist_key;
+static struct lock_class_key mapping_lock_ofed4_key;
 
 struct pmc_file {
 	struct xarray umems;
@@ -230,6 +382,7 @@ static void peer_client_release(struct kobject *kobj)
 	struct peer_client *c = container_of(kobj, struct peer_client, kobj);
 
 	xa_destroy(&c->umem_xa);
+	mutex_destroy(&c->lock);
 	kfree(c);
 }
 
@@ -278,6 +431,8 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 	atomic_set(&c->umems, 0);
 	init_waitqueue_head(&c->wq);
 	xa_init_flags(&c->umem_xa, XA_FLAGS_ALLOC);
+	mutex_init(&c->lock);
+	c->last_ticket = 1;
 	if (peer_client->version[IB_PEER_MEMORY_VER_MAX - 1]) {
 		const struct peer_memory_client_ex *ex =
 			container_of(peer_client, const struct peer_memory_client_ex, client);
@@ -298,6 +453,7 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 		peers_kobj = mm ? kobject_create_and_add("memory_peers", mm) : NULL;
 		if (!peers_kobj) {
 			mutex_unlock(&peer_memory_mutex);
+			mutex_destroy(&c->lock);
 			kfree(c);
 			return NULL;
 		}
@@ -353,15 +509,153 @@ static void client_put(struct peer_client *c)
 		wake_up(&c->wq);
 }
 
+/* ib_put_peer_client: release is optional. */
+static void client_release(struct peer_client *c, void *ctx)
+{
+	if (c->ops->release)
+		CLIENT_CALL_VOID(c->ops->release(ctx));
+}
+
+/* --- fault injection: the HCA fails to create the mkey ------------------ */
+
+static DEFINE_SPINLOCK(fam_lock);
+static unsigned int fam_left;		/* registrations still to fail */
+static int fam_errno;
+static struct dentry *dbg_dir;
+
+static int fail_after_map_take(void)
+{
+	int err = 0;
+
+	spin_lock(&fam_lock);
+	if (fam_left) {
+		fam_left--;
+		err = fam_errno;
+	}
+	spin_unlock(&fam_lock);
+	if (err) {
+		atomic64_inc(&st_failed_after_map);
+		pr_info("injecting %d: mkey creation fails after a successful dma_map\n", err);
+	}
+	return err;
+}
+
+/* "<count> <errno>", errno negative; "0 <errno>" cancels. */
+static ssize_t fail_after_map_write(struct file *f, const char __user *ubuf, size_t n,
+				    loff_t *pos)
+{
+	unsigned int count;
+	char buf[64];
+	int err;
+
+	if (n >= sizeof(buf))
+		return -EINVAL;
+	if (copy_from_user(buf, ubuf, n))
+		return -EFAULT;
+	buf[n] = 0;
+	if (sscanf(buf, "%u %d", &count, &err) != 2 || err >= 0 || err < -MAX_ERRNO) {
+		pr_err("fail_after_map: expected \"<count> <negative errno>\", got \"%s\"\n",
+		       strim(buf));
+		return -EINVAL;
+	}
+	spin_lock(&fam_lock);
+	fam_left = count;
+	fam_errno = err;
+	spin_unlock(&fam_lock);
+	return n;
+}
+
+static ssize_t fail_after_map_read(struct file *f, char __user *ubuf, size_t n, loff_t *pos)
+{
+	unsigned int count;
+	char buf[32];
+	int err, len;
+
+	spin_lock(&fam_lock);
+	count = fam_left;
+	err = fam_errno;
+	spin_unlock(&fam_lock);
+	len = scnprintf(buf, sizeof(buf), "%u %d\n", count, err);
+	return simple_read_from_buffer(ubuf, n, pos, buf, len);
+}
+
+static const struct file_operations fail_after_map_fops = {
+	.owner = THIS_MODULE,
+	.read = fail_after_map_read,
+	.write = fail_after_map_write,
+	.llseek = default_llseek,
+};
+
+/* --- RLIMIT_MEMLOCK (ib_umem_get) -------------------------------------- */
+
+static bool ipc_lock_capable(void)
+{
+	return !READ_ONCE(memlock_ignore_cap) && capable(CAP_IPC_LOCK);
+}
+
+/* Charge @npages to @mm->pinned_vm like __ib_umem_get(). */
+static int memlock_charge(struct mm_struct *mm, unsigned long npages)
+{
+	unsigned long limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	unsigned long pinned;
+
+	/* can_do_mlock() */
+	if (!rlimit(RLIMIT_MEMLOCK) && !ipc_lock_capable()) {
+		atomic64_inc(&st_memlock_refusals);
+		pr_info_ratelimited("registration refused (EPERM): RLIMIT_MEMLOCK is 0 (pid %d)\n",
+				    task_pid_nr(current));
+		return -EPERM;
+	}
+	pinned = atomic64_add_return(npages, &mm->pinned_vm);
+	if (pinned > limit && !ipc_lock_capable()) {
+		atomic64_sub(npages, &mm->pinned_vm);
+		atomic64_inc(&st_memlock_refusals);
+		pr_info_ratelimited("registration refused (ENOMEM): %lu pages would be pinned, RLIMIT_MEMLOCK allows %lu (pid %d)\n",
+				    pinned, limit, task_pid_nr(current));
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+/* From the saved mm: the release may run in another process or a kthread. */
+static void umem_uncharge(struct pmc_umem *u)
+{
+	if (!u->mm)
+		return;
+	atomic64_sub(u->charged, &u->mm->pinned_vm);
+	mmdrop(u->mm);
+	u->mm = NULL;
+}
+
 /* --- umems ------------------------------------------------------------- */
 
 static void umem_free(struct kref *kref)
 {
 	struct pmc_umem *u = container_of(kref, struct pmc_umem, kref);
 
+	umem_uncharge(u);	/* only failure paths get here still charged */
 	mutex_destroy(&u->mapping_lock);
 	kfree(u);
 	atomic64_dec(&st_live_umems);
+}
+
+static struct pmc_umem *umem_alloc(u64 addr, u64 len, int source)
+{
+	struct pmc_umem *u = kzalloc(sizeof(*u), GFP_KERNEL);
+
+	if (!u)
+		return NULL;
+	atomic64_inc(&st_live_umems);
+	kref_init(&u->kref);
+	mutex_init(&u->mapping_lock);
+	u->source = source;
+	u->addr = addr;
+	u->len = len;
+	atomic_set(&u->v4_invalidated, 0);
+	init_completion(&u->v4_mr_ready);
+	init_completion(&u->v4_dereg_done);
+	init_completion(&u->v4_ticket_gone);
+	return u;
 }
 
 static void fix_peer_sgls(struct pmc_umem *u)
@@ -410,17 +704,241 @@ static void unfix_peer_sgls(struct pmc_umem *u)
 	u->first_sg = u->last_sg = NULL;
 }
 
-static void unmap_client(struct pmc_umem *u)
+static void unmap_client(struct pmc_umem *u, struct peer_client *c)
 {
 	unfix_peer_sgls(u);
-	CLIENT_CALL(u->client->ops->dma_unmap(&u->sgt, u->ctx, u->dma_dev));
-	CLIENT_CALL_VOID(u->client->ops->put_pages(&u->sgt, u->ctx));
+	CLIENT_CALL(c->ops->dma_unmap(&u->sgt, u->ctx, u->dma_dev));
+	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, u->ctx));
 	memset(&u->sgt, 0, sizeof(u->sgt));
 }
 
+static void release_stats(struct pmc_umem *u, struct peer_client *c)
+{
+	atomic64_inc(&c->num_dealloc_mrs);
+	atomic64_add(u->sgt.nents, &c->num_dereg_pages);
+	atomic64_add(u->len, &c->num_dereg_bytes);
+}
+
+/* The "HCA" takes the mkey away: no device DMA through this MR from now on. */
+static void hca_revoke(struct pmc_umem *u)
+{
+	mutex_lock(&u->mapping_lock);
+	u->revoked = true;
+	mutex_unlock(&u->mapping_lock);
+}
+
+/* The time the HCA driver takes to create the mkey. */
+static void hca_create_mkey_delay(void)
+{
+	unsigned int ms = READ_ONCE(activate_delay_ms);
+
+	if (ms)
+		msleep(ms);
+}
+
+/* --- the OFED 4.x core (variant 1) -------------------------------------- */
+
+/* ib_peer_insert_context: the client's lock covers the ticket only. */
+static int ofed4_insert_ticket(struct peer_client *c, struct pmc_umem *u)
+{
+	int err;
+
+	mutex_lock(&c->lock);
+	do {
+		/* Skip ids a >= 5.5 umem of the same client holds. */
+		u->xa_id = c->last_ticket++;
+		if (c->last_ticket == PEER_NO_INVALIDATION_ID)
+			c->last_ticket = 1;
+		err = xa_insert(&c->umem_xa, u->xa_id, u, GFP_KERNEL);
+	} while (err == -EBUSY);
+	mutex_unlock(&c->lock);
+	if (err)
+		u->xa_id = PEER_NO_TICKET;
+	return err;
+}
+
+/* ib_peer_destroy_invalidation_ctx: the lock is already held in a callback. */
+static void ofed4_remove_ticket(struct peer_client *c, struct pmc_umem *u, bool in_callback)
+{
+	if (u->xa_id == PEER_NO_TICKET)
+		return;
+	if (!in_callback)
+		mutex_lock(&c->lock);
+	xa_erase(&c->umem_xa, u->xa_id);
+	if (u->v4_inflight)
+		complete_all(&u->v4_ticket_gone);
+	if (!in_callback)
+		mutex_unlock(&c->lock);
+}
+
+/*
+ * 4.x peer_umem_release(): ticket, dma_unmap, put_pages, release, with no
+ * lock of the core around the client's calls. In a free callback it runs
+ * under the client's lock, from inside ib_invalidate_peer_memory.
+ */
+static void ofed4_umem_release(struct pmc_umem *u, struct peer_client *c, bool in_callback)
+{
+	bool was_mapped;
+
+	ofed4_remove_ticket(c, u, in_callback);
+	/* Keeps the harness's DMA and queries off the table. */
+	mutex_lock(&u->mapping_lock);
+	was_mapped = u->state == UMEM_MAPPED;
+	u->state = UMEM_UNMAPPED;
+	u->revoked = true;
+	mutex_unlock(&u->mapping_lock);
+	if (was_mapped)
+		unmap_client(u, c);
+	client_release(c, u->ctx);
+	WRITE_ONCE(u->client, NULL);
+	release_stats(u, c);
+	client_put(c);
+	umem_uncharge(u);
+}
+
+/* 4.x ib_invalidate_peer_memory + mlx5_invalidate_umem. We hold a kref. */
+static void ofed4_invalidate(struct peer_client *c, struct pmc_umem *u, u64 core_context)
+{
+	mutex_lock(&c->lock);
+	/* ib_peer_search_context */
+	if (xa_load(&c->umem_xa, core_context) != u)
+		goto out;
+	if (!u->v4_func) {
+		/* Not activated yet: activation will fail the registration. */
+		u->v4_peer_invalidated = true;
+		goto out;
+	}
+	/* mlx5_invalidate_umem waits for the MR, under the client's lock. */
+	wait_for_completion(&u->v4_mr_ready);
+	if (!u->v4_mr_live)
+		goto out;	/* the registration is failing; it releases */
+	if (atomic_inc_return(&u->v4_invalidated) > 1) {
+		/* A dereg is in flight: wait until it took the ticket away. */
+		u->v4_inflight = true;
+		mutex_unlock(&c->lock);
+		wait_for_completion(&u->v4_ticket_gone);
+		return;
+	}
+	/* mlx5_ib_invalidate_mr: destroy the mkey, then ib_umem_release. */
+	atomic64_inc(&st_invalidations);
+	ofed4_umem_release(u, c, true);
+	complete_all(&u->v4_dereg_done);
+out:
+	mutex_unlock(&c->lock);
+}
+
+/* 4.x mlx5_ib_dereg_mr. Holds the handle's reference, which it drops. */
+static void ofed4_dereg(struct pmc_umem *u)
+{
+	if (atomic_inc_return(&u->v4_invalidated) > 1) {
+		/* The free callback deregistered it: a dead MR, core memory only. */
+		wait_for_completion(&u->v4_dereg_done);
+	} else {
+		/* Read only now: a callback can no longer release the umem. */
+		struct peer_client *c = u->client;
+
+		hca_revoke(u);
+		ofed4_umem_release(u, c, false);
+	}
+	kref_put(&u->kref, umem_free);
+}
+
+/*
+ * 4.x peer_umem_get: no mapping_lock; get_page_size is read before dma_map
+ * (4.x sets umem->page_shift from it). The SGE fix-up is kept so that the
+ * harness's DMA works the same in both variants.
+ */
+static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_client *c,
+					    u64 flags)
+{
+	void *ctx = u->ctx;
+	int nmap = 0, err;
+
+	u->variant = PMC_OFED4;
+	u->xa_id = PEER_NO_TICKET;
+	lockdep_set_class(&u->mapping_lock, &mapping_lock_ofed4_key);
+	if (flags & PMC_REG_INVAL_SUPP) {
+		err = ofed4_insert_ticket(c, u);
+		if (err)
+			goto err_umem;
+	}
+	err = CLIENT_CALL(c->ops->get_pages(u->addr, u->len, 1, !!(flags & PMC_REG_READ_ONLY),
+					    NULL, ctx, u->xa_id));
+	if (err)
+		goto err_ticket;
+	u->page_size = c->ops->get_page_size ? c->ops->get_page_size(ctx) : PAGE_SIZE;
+	if (!is_power_of_2(u->page_size) || u->page_size < PAGE_SIZE) {
+		pr_err("client %.64s: get_page_size() before dma_map returned %lu\n",
+		       c->ops->name, u->page_size);
+		err = -EINVAL;
+		goto err_pages;
+	}
+	err = CLIENT_CALL(c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap));
+	if (err)
+		goto err_pages;
+	u->sgt.nents = nmap;
+	if (u->page_size != PAGE_SIZE)
+		fix_peer_sgls(u);
+	u->state = UMEM_MAPPED;
+	atomic64_inc(&c->num_alloc_mrs);
+	atomic64_add(nmap, &c->num_reg_pages);
+	atomic64_add(u->len, &c->num_reg_bytes);
+	return u;
+
+err_pages:
+	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, ctx));
+err_ticket:
+	ofed4_remove_ticket(c, u, false);
+err_umem:
+	kref_put(&u->kref, umem_free);
+	client_release(c, ctx);
+	client_put(c);
+	return ERR_PTR(err);
+}
+
+/*
+ * 4.x mlx5_ib_reg_user_mr after the umem: activate the notifier (refused if
+ * the peer invalidated meanwhile), create the mkey, then let a waiting
+ * invalidate go on. On failure the umem goes through a normal release.
+ */
+static int ofed4_hca_reg_mr(struct pmc_umem *u)
+{
+	struct peer_client *c = u->client;
+	int err = 0;
+
+	if (u->xa_id != PEER_NO_TICKET) {
+		mutex_lock(&c->lock);
+		if (u->v4_peer_invalidated)
+			err = -EINVAL;
+		else
+			u->v4_func = true;
+		mutex_unlock(&c->lock);
+		if (err) {
+			atomic64_inc(&st_activate_refusals);
+			pr_err("ib_umem_activate_invalidation_notifier: pages were invalidated by peer (client %.64s, ticket %u)\n",
+			       u->client_name, u->xa_id);
+		} else {
+			hca_create_mkey_delay();
+		}
+	}
+	if (!err)
+		err = fail_after_map_take();
+	if (err) {
+		complete_all(&u->v4_mr_ready);
+		ofed4_umem_release(u, c, false);
+		kref_put(&u->kref, umem_free);
+		return err;
+	}
+	u->v4_mr_live = true;
+	complete_all(&u->v4_mr_ready);
+	return 0;
+}
+
+/* --- the OFED >= 5.5 core (variant 0) ----------------------------------- */
+
 static int ib_invalidate_peer_memory(void *reg_handle, u64 core_context)
 {
-	struct peer_client *c = reg_handle;
+	struct peer_client *c = reg_handle, *uc;
 	struct pmc_umem *u;
 
 	atomic64_inc(&c->num_free_callbacks);
@@ -431,26 +949,54 @@ static int ib_invalidate_peer_memory(void *reg_handle, u64 core_context)
 	xa_unlock(&c->umem_xa);
 	if (!u)
 		return 0;
+	/*
+	 * The harness's own bookkeeping outlives a client that unregisters
+	 * while its callback is still in here.
+	 */
+	kobject_get(&c->kobj);
+
+	if (u->variant == PMC_OFED4) {
+		ofed4_invalidate(c, u, core_context);
+		goto out;
+	}
 
 	mutex_lock(&u->mapping_lock);
+	/* The real core reads the client from the umem, after mapping_lock. */
+	uc = READ_ONCE(u->client);
+	if (!uc) {
+		pr_err("HARNESS FAILURE: invalidate after release cleared the client\n");
+		WARN(1, "invalidate of core_context %llu (client %.64s) ran after the client's release(): the real core dereferences NULL here\n",
+		     core_context, u->client_name);
+		mutex_unlock(&u->mapping_lock);
+		goto out;
+	}
+	WARN_ON_ONCE(uc != c);
 	if (u->state == UMEM_MAPPED) {
 		if (u->hook_armed) {
 			/* mlx5: UMR-revoke the mkey; the device loses access. */
 			u->revoked = true;
 			atomic64_inc(&st_invalidations);
 		}
-		if (c->unmaps)
+		if (uc->unmaps) {
+			unfix_peer_sgls(u);
 			u->state = UMEM_INVALIDATED;
-		else {
-			unmap_client(u);
+		} else {
+			unmap_client(u, uc);
 			u->state = UMEM_UNMAPPED;
 		}
 	}
 	mutex_unlock(&u->mapping_lock);
+out:
 	kref_put(&u->kref, umem_free);
+	kobject_put(&c->kobj);
 	return 0;
 }
 
+/*
+ * ib_peer_umem_get. For an invalidating client mapping_lock is still held on
+ * success: ib_umem_activate_invalidation_notifier() or
+ * ib_umem_stop_invalidation_notifier() drops it.
+ */
 static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 {
 	struct peer_client *c, *found = NULL;
@@ -473,25 +1019,28 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 		return ERR_PTR(gup_err);
 	c = found;
 
-	u = kzalloc(sizeof(*u), GFP_KERNEL);
+	u = umem_alloc(addr, len, PMC_SRC_PEER);
 	if (!u) {
 		err = -ENOMEM;
 		goto err_client;
 	}
-	atomic64_inc(&st_live_umems);
-	kref_init(&u->kref);
-	mutex_init(&u->mapping_lock);
 	u->client = c;
+	strscpy(u->client_name, c->ops->name, sizeof(u->client_name));
 	u->ctx = ctx;
-	u->addr = addr;
-	u->len = len;
-	u->source = PMC_SRC_PEER;
 	u->dma_dev = (flags & PMC_REG_NON_PCI_DEV) ? pmc_misc.this_device : &hca.pdev->dev;
 
+	/* The variant applies to the clients a 4.x core would see as such. */
+	if (READ_ONCE(core_variant) == PMC_OFED4 && !c->unmaps)
+		return ofed4_peer_umem_get(u, c, flags);
+
+	u->variant = PMC_OFED55;
+	lockdep_set_class(&u->mapping_lock, c->invalidation_required ?
+			  &mapping_lock_inval_key : &mapping_lock_persist_key);
 	mutex_lock(&u->mapping_lock);
 	if (c->invalidation_required) {
 		err = xa_alloc_cyclic(&c->umem_xa, &u->xa_id, u,
-				      XA_LIMIT(0, PEER_NO_INVALIDATION_ID - 1), &c->xa_next, GFP_KERNEL);
+				      XA_LIMIT(0, PEER_NO_INVALIDATION_ID - 1), &c->xa_next,
+				      GFP_KERNEL);
 		if (err < 0)
 			goto err_umem;
 	} else {
@@ -501,6 +1050,8 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 					    u->xa_id));
 	if (err)
 		goto err_xa;
+	if (c->invalidation_required && READ_ONCE(map_delay_ms))
+		msleep(READ_ONCE(map_delay_ms));	/* mapping_lock held, as between the real calls */
 	err = CLIENT_CALL(c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap));
 	if (err)
 		goto err_pages;
@@ -512,14 +1063,12 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	atomic64_inc(&c->num_alloc_mrs);
 	atomic64_add(nmap, &c->num_reg_pages);
 	atomic64_add(len, &c->num_reg_bytes);
-	/* The "HW driver" creates the mkey, then arms the notifier: an
-	 * invalidation that came meanwhile waited on mapping_lock. */
-	u->hook_armed = c->invalidation_required;
-	mutex_unlock(&u->mapping_lock);
+	if (u->xa_id == PEER_NO_INVALIDATION_ID)
+		mutex_unlock(&u->mapping_lock);
 	return u;
 
 err_pages:
-	c->ops->put_pages(&u->sgt, ctx);
+	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, ctx));
 err_xa:
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);
@@ -527,101 +1076,182 @@ err_umem:
 	mutex_unlock(&u->mapping_lock);
 	kref_put(&u->kref, umem_free);
 err_client:
-	c->ops->release(ctx);
+	client_release(c, ctx);
 	client_put(c);
 	return ERR_PTR(err);
 }
 
-static void umem_release(struct pmc_umem *u)
+/* The HCA driver created its mkey: invalidations may now come through. */
+static void ib_umem_activate_invalidation_notifier(struct pmc_umem *u)
+{
+	if (u->xa_id == PEER_NO_INVALIDATION_ID)
+		return;
+	u->hook_armed = true;
+	/* Pairs with the lock in peer_umem_get(). */
+	mutex_unlock(&u->mapping_lock);
+}
+
+/*
+ * The HCA blocked DMA and will no longer handle invalidations. Before
+ * activation (the mkey creation failed) mapping_lock is still held.
+ */
+static void ib_umem_stop_invalidation_notifier(struct pmc_umem *u)
+{
+	struct peer_client *c = u->client;
+	enum umem_state cur;
+
+	if (u->xa_id == PEER_NO_INVALIDATION_ID)
+		return;		/* unmapped by ib_peer_umem_release */
+	if (u->hook_armed) {
+		mutex_lock(&u->mapping_lock);
+		u->hook_armed = false;
+	}
+	if (!c->unmaps) {
+		if (u->state == UMEM_MAPPED)
+			unmap_client(u, c);
+		u->state = UMEM_UNMAPPED;
+		mutex_unlock(&u->mapping_lock);
+	} else {
+		/* Blocks ib_invalidate_peer_memory; unmap outside the lock. */
+		cur = u->state;
+		u->state = UMEM_UNMAPPED;
+		mutex_unlock(&u->mapping_lock);
+		if (cur == UMEM_MAPPED)
+			unmap_client(u, c);
+	}
+}
+
+/* ib_peer_umem_release. Never under mapping_lock. Drops the umem's reference. */
+static void ib_peer_umem_release(struct pmc_umem *u)
 {
 	struct peer_client *c = u->client;
 	bool was_mapped;
 
-	if (u->source == PMC_SRC_HOST) {
-		unpin_user_pages(u->pages, u->npages);
-		kvfree(u->pages);
-		kref_put(&u->kref, umem_free);
-		return;
-	}
-	/* The HW driver revokes the mkey first. */
+	WARN_ON(u->hook_armed);
+	/* Non-invalidating umems: unmapped here, the client not under the lock. */
 	mutex_lock(&u->mapping_lock);
-	u->revoked = true;
-	mutex_unlock(&u->mapping_lock);
-
-	/* ib_umem_stop_invalidation_notifier */
-	if (c->invalidation_required) {
-		mutex_lock(&u->mapping_lock);
-		u->hook_armed = false;
-		if (!c->unmaps) {
-			if (u->state == UMEM_MAPPED)
-				unmap_client(u);
-			u->state = UMEM_UNMAPPED;
-			mutex_unlock(&u->mapping_lock);
-		} else {
-			was_mapped = u->state == UMEM_MAPPED;
-			if (was_mapped)
-				u->state = UMEM_UNMAPPED;
-			mutex_unlock(&u->mapping_lock);
-			if (was_mapped)
-				unmap_client(u);
-		}
-	}
-	/* ib_peer_umem_release */
-	if (u->state == UMEM_MAPPED) {
-		unmap_client(u);
+	was_mapped = u->state == UMEM_MAPPED;
+	if (was_mapped)
 		u->state = UMEM_UNMAPPED;
-	}
+	mutex_unlock(&u->mapping_lock);
+	if (was_mapped)
+		unmap_client(u, c);
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);
-	if (c->ops->release)
-		CLIENT_CALL_VOID(c->ops->release(u->ctx));
-	atomic64_inc(&c->num_dealloc_mrs);
-	atomic64_add(u->sgt.nents, &c->num_dereg_pages);
-	atomic64_add(u->len, &c->num_dereg_bytes);
+	client_release(c, u->ctx);
+	/* Newer cores clear it; an invalidate holding a kref reads it later. */
+	WRITE_ONCE(u->client, NULL);
+	release_stats(u, c);
 	client_put(c);
+	umem_uncharge(u);
 	kref_put(&u->kref, umem_free);
 }
 
+/*
+ * The HCA driver's reg_mr after the umem exists: create the mkey, then arm
+ * the invalidation notifier; if the mkey cannot be created, stop the
+ * notifier and release the umem (mlx5 create_real_mr()).
+ */
+static int hca_reg_mr(struct pmc_umem *u)
+{
+	int err;
+
+	if (u->source != PMC_SRC_PEER)
+		return 0;
+	if (u->variant == PMC_OFED4)
+		return ofed4_hca_reg_mr(u);
+	if (u->xa_id != PEER_NO_INVALIDATION_ID)
+		hca_create_mkey_delay();	/* mapping_lock held */
+	err = fail_after_map_take();
+	if (err) {
+		ib_umem_stop_invalidation_notifier(u);
+		ib_peer_umem_release(u);
+		return err;
+	}
+	ib_umem_activate_invalidation_notifier(u);
+	return 0;
+}
+
+/* The HCA driver's dereg_mr (or the owner's teardown). Drops the reference. */
+static void umem_release(struct pmc_umem *u)
+{
+	if (u->source == PMC_SRC_HOST) {
+		unpin_user_pages(u->pages, u->npages);
+		kvfree(u->pages);
+		umem_uncharge(u);
+		kref_put(&u->kref, umem_free);
+		return;
+	}
+	if (u->variant == PMC_OFED4) {
+		ofed4_dereg(u);
+		return;
+	}
+	/* Revoke the mkey, stop the notifier, release. */
+	hca_revoke(u);
+	ib_umem_stop_invalidation_notifier(u);
+	ib_peer_umem_release(u);
+}
+
+/*
+ * ib_umem_get: charge RLIMIT_MEMLOCK, try pin_user_pages_fast, then the peer
+ * clients. On success the umem owns the charge.
+ */
 static struct pmc_umem *umem_get(u64 addr, u64 len, u64 flags)
 {
 	unsigned long first = addr & PAGE_MASK, npages;
+	struct mm_struct *mm = current->mm;
 	struct page **pages;
 	struct pmc_umem *u;
 	long pinned;
-	int gup_err;
+	int err;
 
-	if (!len || addr + len < addr || len > (1ULL << 40))
+	if (!len || addr + len < addr || PAGE_ALIGN(addr + len) < addr + len ||
+	    len > (1ULL << 40))
 		return ERR_PTR(-EINVAL);
+	if (!mm)
+		return ERR_PTR(-EFAULT);
 	npages = (PAGE_ALIGN(addr + len) - first) >> PAGE_SHIFT;
+	err = memlock_charge(mm, npages);
+	if (err)
+		return ERR_PTR(err);
+
 	pages = kvmalloc_array(npages, sizeof(*pages), GFP_KERNEL);
-	if (!pages)
-		return ERR_PTR(-ENOMEM);
+	if (!pages) {
+		err = -ENOMEM;
+		goto err_uncharge;
+	}
 	pinned = pin_user_pages_fast(first, npages,
 				     FOLL_LONGTERM | ((flags & PMC_REG_READ_ONLY) ? 0 : FOLL_WRITE),
 				     pages);
 	if (pinned == npages) {
-		u = kzalloc(sizeof(*u), GFP_KERNEL);
+		u = umem_alloc(addr, len, PMC_SRC_HOST);
 		if (!u) {
 			unpin_user_pages(pages, npages);
 			kvfree(pages);
-			return ERR_PTR(-ENOMEM);
+			err = -ENOMEM;
+			goto err_uncharge;
 		}
-		atomic64_inc(&st_live_umems);
-		kref_init(&u->kref);
-		mutex_init(&u->mapping_lock);
-		u->source = PMC_SRC_HOST;
 		u->pages = pages;
 		u->npages = npages;
-		u->addr = addr;
-		u->len = len;
 		u->state = UMEM_MAPPED;
-		return u;
+	} else {
+		if (pinned > 0)
+			unpin_user_pages(pages, pinned);
+		kvfree(pages);
+		u = peer_umem_get(addr, len, flags, pinned < 0 ? pinned : -EFAULT);
+		if (IS_ERR(u)) {
+			err = PTR_ERR(u);
+			goto err_uncharge;
+		}
 	}
-	if (pinned > 0)
-		unpin_user_pages(pages, pinned);
-	kvfree(pages);
-	gup_err = pinned < 0 ? pinned : -EFAULT;
-	return peer_umem_get(addr, len, flags, gup_err);
+	mmgrab(mm);
+	u->mm = mm;
+	u->charged = npages;
+	return u;
+
+err_uncharge:
+	atomic64_sub(npages, &mm->pinned_vm);
+	return ERR_PTR(err);
 }
 
 /* --- user interface ------------------------------------------------------ */
@@ -654,6 +1284,9 @@ static long pmc_reg(struct pmc_file *pf, struct pmc_reg __user *uarg)
 	u = umem_get(arg.addr, arg.len, arg.flags);
 	if (IS_ERR(u))
 		return PTR_ERR(u);
+	err = hca_reg_mr(u);
+	if (err)
+		return err;
 	err = xa_alloc(&pf->umems, &id, u, xa_limit_31b, GFP_KERNEL);
 	if (err) {
 		umem_release(u);
@@ -699,7 +1332,7 @@ static long pmc_query(struct pmc_file *pf, struct pmc_query __user *uarg)
 	q.state = u->state;
 	q.revoked = u->revoked;
 	if (u->source == PMC_SRC_PEER) {
-		strscpy(q.client, u->client->ops->name, sizeof(q.client));
+		strscpy(q.client, u->client_name, sizeof(q.client));
 		q.page_size = u->page_size;
 		if (u->state == UMEM_MAPPED) {
 			q.nmap = u->sgt.nents;
@@ -945,13 +1578,18 @@ static int __init pmc_init(void)
 	if (err)
 		return err;
 	err = misc_register(&pmc_misc);
-	if (err)
+	if (err) {
 		pci_unregister_driver(&edu_driver);
-	return err;
+		return err;
+	}
+	dbg_dir = debugfs_create_dir("peer_mem_core", NULL);
+	debugfs_create_file("fail_after_map", 0600, dbg_dir, NULL, &fail_after_map_fops);
+	return 0;
 }
 
 static void __exit pmc_exit(void)
 {
+	debugfs_remove_recursive(dbg_dir);
 	misc_deregister(&pmc_misc);
 	pci_unregister_driver(&edu_driver);
 }

@@ -34,11 +34,36 @@ struct nvemu_info {
 	__u64 live_allocs;	/* allocations whose BAR space is still held */
 	__u64 provider_bytes;	/* kernel memory held by live page tables and mappings */
 	__u64 provider_ns;	/* time spent inside the exported p2p calls */
+	__u64 foreign_puts;	/* nvidia_p2p_put_pages from a process other than the pinner: 0, pin kept */
+	__u64 failed_unpins;	/* injected put_pages[_persistent] failures returned */
+	__u64 stale_puts;	/* HARNESS FAILURES: put_pages_persistent, dma_map or dma_unmap on a dead table */
+	__u64 deferred_callbacks; /* free callbacks from the nv_queue kernel thread after the owner exited */
+	__u64 reused_tables;	/* pins handed the address of a just-freed page table */
+	__u64 topo_refusals;	/* dma_map_pages refused by the topology gate (-ENOTSUPP) */
+	__u64 rm_reentries;	/* RM entered by the RM lock's holder (from a free callback): -EIO */
 };
 
 #define NVEMU_IOC_ALLOC	_IOWR('N', 1, struct nvemu_alloc)
 #define NVEMU_IOC_FREE	_IOW('N', 2, __u64)	/* cudaFree(va): free now, keep the VMA */
 #define NVEMU_IOC_INFO	_IOR('N', 3, struct nvemu_info)
+
+/*
+ * Knobs in /sys/kernel/debug/nv_p2p_emu/:
+ *   inject                "<name> <count> <errno>": fail the next <count> calls of get_pages,
+ *                         get_pages_persistent, dma_map_pages, put_pages, put_pages_persistent
+ *                         or dma_unmap_pages with <errno> (< 0), changing nothing
+ *   free_delay_ms         sleep before each free callback (RM lock held)
+ *   race_free_on_pin      the next N non-persistent pins get a racing cudaFree
+ *   dma_map_style         NVEMU_DMA_MAP_* below
+ *   deferred_teardown_ms  0: off; else an exiting owner's allocations are torn down (callbacks
+ *                         included) that long later on the "nv_queue" kernel thread
+ *   reuse_tables          1: a new pin gets the address of the most recently freed page table
+ *   topo_deny             "<gpu index> <peer PCI name>" adds a pair whose dma_map_pages fails
+ *                         with -ENOTSUPP (524); "clear" clears; read lists the pairs (at most 8)
+ */
+#define NVEMU_DMA_MAP_PAGES	0	/* one dma_map_resource per 64 KiB page, ascending (RM; default) */
+#define NVEMU_DMA_MAP_SHUFFLED	1	/* one per page, pages mapped in a seeded random order */
+#define NVEMU_DMA_MAP_RUNS	2	/* one per physically contiguous run (contiguous DMA addresses) */
 
 /* --- peer_mem_core ----------------------------------------------------- */
 

@@ -11,6 +11,7 @@
 mod bench;
 mod demo;
 mod dev;
+mod hostile;
 mod module;
 mod scenarios;
 mod statcheck;
@@ -30,6 +31,9 @@ pub enum Mode {
     Invalidating,
     /// persistent_api_support=0 peerdirect_support=1: legacy core flow.
     Legacy,
+    /// As `Legacy`, on a core like OFED 4.x (the peer_mem_core `variant=1`):
+    /// the HCA driver deregisters the MR inside the free callback.
+    Ofed4,
 }
 
 impl Mode {
@@ -38,6 +42,7 @@ impl Mode {
             Mode::Persistent => "persistent",
             Mode::Invalidating => "invalidating",
             Mode::Legacy => "legacy",
+            Mode::Ofed4 => "ofed4",
         }
     }
 
@@ -45,13 +50,30 @@ impl Mode {
         match self {
             Mode::Persistent => vec!["persistent_api_support=1"],
             Mode::Invalidating => vec!["persistent_api_support=0"],
-            Mode::Legacy => vec!["persistent_api_support=0", "peerdirect_support=1"],
+            Mode::Legacy | Mode::Ofed4 => {
+                vec!["persistent_api_support=0", "peerdirect_support=1"]
+            }
         }
     }
 
     /// Whether an MR (IB_PEER_MEM_INVAL_SUPP) is backed by an invalidating pin.
     pub fn invalidating(self) -> bool {
         self != Mode::Persistent
+    }
+
+    /// Whether the client is the legacy one (the core unmaps it from inside
+    /// its invalidate).
+    pub fn legacy(self) -> bool {
+        matches!(self, Mode::Legacy | Mode::Ofed4)
+    }
+
+    /// The peer_mem_core variant this mode runs on.
+    fn core_variant(self) -> &'static str {
+        if self == Mode::Ofed4 {
+            "1"
+        } else {
+            "0"
+        }
     }
 }
 
@@ -92,15 +114,24 @@ impl Ctx {
     }
 
     pub fn load(&self) -> Result<(), String> {
+        module::debugfs_write(
+            "/sys/module/peer_mem_core/parameters/variant",
+            self.mode.core_variant(),
+        )?;
         module::insmod(&self.opts.peermem, &self.mode.params())
     }
 
     pub fn unload(&self) -> Result<(), String> {
-        if module::rmmod("nvidia_peermem")? {
-            Ok(())
-        } else {
-            Err("rmmod nvidia_peermem refused".into())
+        // A free callback's last reference is dropped by the module's own
+        // queue, a moment after the callback returned.
+        let t = Instant::now();
+        while !module::rmmod("nvidia_peermem")? {
+            if t.elapsed() > std::time::Duration::from_secs(2) {
+                return Err("rmmod nvidia_peermem refused".into());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
+        Ok(())
     }
 
     /// Reloads the emulated GPU driver with `args` (module under test too).
@@ -152,7 +183,12 @@ fn main() {
         _ => {}
     }
     let mut args = std::env::args().skip(1);
-    let mut modes = vec![Mode::Persistent, Mode::Invalidating, Mode::Legacy];
+    let mut modes = vec![
+        Mode::Persistent,
+        Mode::Invalidating,
+        Mode::Legacy,
+        Mode::Ofed4,
+    ];
     let mut opts = Opts {
         peermem: "/lib/peermem/nvidia_peermem.ko".into(),
         emu: "/lib/peermem/nv_p2p_emu.ko".into(),
@@ -173,6 +209,7 @@ fn main() {
                         "persistent" => Mode::Persistent,
                         "invalidating" => Mode::Invalidating,
                         "legacy" => Mode::Legacy,
+                        "ofed4" => Mode::Ofed4,
                         _ => panic!("unknown mode {m}"),
                     })
                     .collect()

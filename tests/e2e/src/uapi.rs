@@ -34,11 +34,23 @@ pub struct NvemuInfo {
     pub live_allocs: u64,
     pub provider_bytes: u64,
     pub provider_ns: u64,
+    pub foreign_puts: u64,
+    pub failed_unpins: u64,
+    pub stale_puts: u64,
+    pub deferred_callbacks: u64,
+    pub reused_tables: u64,
+    pub topo_refusals: u64,
+    pub rm_reentries: u64,
 }
 
 pub const NVEMU_IOC_ALLOC: u64 = ioc(R | W, b'N', 1, core::mem::size_of::<NvemuAlloc>());
 pub const NVEMU_IOC_FREE: u64 = ioc(W, b'N', 2, 8);
 pub const NVEMU_IOC_INFO: u64 = ioc(R, b'N', 3, core::mem::size_of::<NvemuInfo>());
+
+/// Values of /sys/kernel/debug/nv_p2p_emu/dma_map_style (see uapi.h for every knob).
+pub const NVEMU_DMA_MAP_PAGES: u32 = 0;
+pub const NVEMU_DMA_MAP_SHUFFLED: u32 = 1;
+pub const NVEMU_DMA_MAP_RUNS: u32 = 2;
 
 pub const PMC_REG_INVAL_SUPP: u64 = 1 << 0;
 pub const PMC_REG_NON_PCI_DEV: u64 = 1 << 1;
@@ -118,6 +130,6 @@ pub const PMC_IOC_QUERY: u64 = ioc(R | W, b'P', 3, core::mem::size_of::<PmcQuery
 pub const PMC_IOC_DMA: u64 = ioc(W, b'P', 4, core::mem::size_of::<PmcDma>());
 pub const PMC_IOC_INFO: u64 = ioc(R, b'P', 5, core::mem::size_of::<PmcInfo>());
 
-const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 152);
+const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 208);
 const _: () = assert!(core::mem::size_of::<PmcQuery>() == 144);
 const _: () = assert!(core::mem::size_of::<PmcDma>() == 40);

@@ -17,7 +17,7 @@ mod loom_model;
 
 #[cfg(test)]
 mod tests {
-    use super::{coalesce::*, lifecycle::*, range::*};
+    use super::{coalesce::*, range::*};
     use proptest::prelude::*;
 
     const G: u64 = GPU_PAGE_SIZE;
@@ -72,28 +72,443 @@ mod tests {
         assert_eq!(count(&addrs, G, 2 << 30), 1);
         assert_eq!(count(&addrs, G, 64 << 10), 16384);
     }
+}
 
+/// The lifecycle (`src/lifecycle.rs`) driven by random call sequences from
+/// the core, the GPU driver and its free callback, with plain markers as the
+/// provider's objects and a model of what the GPU driver does with them.
+#[cfg(test)]
+mod lifecycle_tests {
+    use super::lifecycle::*;
+    use proptest::prelude::*;
+    use std::{
+        cell::RefCell,
+        collections::{HashMap, HashSet},
+        rc::Rc,
+    };
+
+    const OWNER: u32 = 100;
+    const OTHER: u32 = 200;
+    const CTX: u64 = 7;
+
+    /// The callback's reference of pin `pin`. Dropped without a reclaim, it
+    /// stays with the GPU driver (which consumes it in the callback).
+    struct Tok {
+        pin: u32,
+        dropped: Rc<RefCell<Vec<u32>>>,
+        reclaimed: bool,
+    }
+
+    impl Tok {
+        fn reclaim(mut self) -> u32 {
+            self.reclaimed = true;
+            self.pin
+        }
+    }
+
+    impl Drop for Tok {
+        fn drop(&mut self) {
+            if !self.reclaimed {
+                self.dropped.borrow_mut().push(self.pin);
+            }
+        }
+    }
+
+    struct H;
+
+    impl Resources for H {
+        /// The pin's id.
+        type Table = u32;
+        type Token = Tok;
+        /// A mapping's id.
+        type Map = u32;
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        /// `acquire`: `start_pin`, then the provider is called.
+        Acquire { ok: bool },
+        /// The provider's pin returns.
+        PinReturns,
+        /// `get_pages` accepts (`good`) or rejects the table.
+        GetPages { good: bool },
+        /// `dma_map` starts mapping.
+        DmaMap,
+        /// The mapping ends.
+        MapReturns { ok: bool },
+        Unmap,
+        PutPages,
+        Release { foreign: bool },
+        /// `nvidia_p2p_put_pages` returns.
+        UnpinReturns { ok: bool },
+        /// The GPU driver frees the memory: the free callback.
+        Callback,
+        /// The core's invalidate returned to the callback.
+        CallbackLeaves,
+    }
+
+    /// A provider call in flight (the core makes one call at a time).
+    enum Call {
+        Pin(Option<Pin<H>>),
+        Map(u32),
+        Unpin(u32),
+    }
+
+    /// The GPU driver's record of one pin.
+    #[derive(Default)]
+    struct PinRec {
+        linked: bool,
+        table_freed: bool,
+        put: bool,
+        fired: bool,
+        reclaimed: bool,
+        ended: usize,
+        leaked: bool,
+    }
+
+    struct Sim {
+        persistent: bool,
+        lc: Lifecycle<H>,
+        dropped: Rc<RefCell<Vec<u32>>>,
+        pins: HashMap<u32, PinRec>,
+        next: u32,
+        call: Option<Call>,
+        /// The pin whose callback is inside the core's invalidate.
+        in_core: Option<u32>,
+        maps_made: HashSet<u32>,
+        maps_back: HashSet<u32>,
+        foreign_release: bool,
+    }
+
+    impl Sim {
+        fn new(persistent: bool) -> Self {
+            Self {
+                persistent,
+                lc: Lifecycle::new(),
+                dropped: Rc::default(),
+                pins: HashMap::new(),
+                next: 1,
+                call: None,
+                in_core: None,
+                maps_made: HashSet::new(),
+                maps_back: HashSet::new(),
+                foreign_release: false,
+            }
+        }
+
+        fn live(&self, table: u32) -> bool {
+            !self.pins[&table].table_freed
+        }
+
+        fn give_back(&mut self, m: u32) {
+            assert!(self.maps_made.contains(&m), "unknown map {m}");
+            assert!(self.maps_back.insert(m), "map {m} handed back twice");
+        }
+
+        fn apply(&mut self, op: Op) {
+            let busy = self.call.is_some();
+            match op {
+                Op::Acquire { ok } if !busy => {
+                    let before = self.lc.phase();
+                    if self.lc.start_pin().is_err() {
+                        assert_eq!(self.lc.phase(), before);
+                        return;
+                    }
+                    if !ok {
+                        self.call = Some(Call::Pin(None));
+                        return;
+                    }
+                    let id = self.next;
+                    self.next += 1;
+                    self.pins.insert(
+                        id,
+                        PinRec {
+                            linked: true,
+                            ..PinRec::default()
+                        },
+                    );
+                    let token = (!self.persistent).then(|| Tok {
+                        pin: id,
+                        dropped: Rc::clone(&self.dropped),
+                        reclaimed: false,
+                    });
+                    self.call = Some(Call::Pin(Some(Pin {
+                        table: id,
+                        token,
+                        owner: OWNER,
+                    })));
+                }
+                Op::PinReturns => match self.call.take() {
+                    Some(Call::Pin(None)) => {
+                        self.lc.pin_failed();
+                        assert_eq!(self.lc.phase(), Phase::Acquired);
+                    }
+                    Some(Call::Pin(Some(pin))) => {
+                        let id = pin.table;
+                        match self.lc.pin_succeeded(pin) {
+                            Ok(()) => assert!(!self.pins[&id].fired, "kept a revoked pin"),
+                            Err(back) => {
+                                assert!(self.pins[&id].fired, "refused a live pin");
+                                assert_eq!(back.table, id);
+                            }
+                        }
+                    }
+                    c => self.call = c,
+                },
+                Op::GetPages { good } if !busy => {
+                    if let Ok(&t) = self.lc.pinned_table() {
+                        assert!(self.live(t), "get_pages on a freed table");
+                        if good {
+                            assert_eq!(self.lc.bind(CTX), Ok(()));
+                        } else {
+                            self.lc.reject();
+                        }
+                    }
+                }
+                Op::DmaMap if !busy => {
+                    if let Ok(&t) = self.lc.start_map() {
+                        assert!(self.live(t), "dma_map on a freed table");
+                        self.call = Some(Call::Map(t));
+                    }
+                }
+                Op::MapReturns { ok } => match self.call.take() {
+                    Some(Call::Map(t)) => {
+                        // The core's invalidate waits for dma_map: the
+                        // provider cannot free the table meanwhile.
+                        assert!(self.live(t), "mapped a freed table");
+                        if ok {
+                            let m = self.next;
+                            self.next += 1;
+                            self.maps_made.insert(m);
+                            if let Err(back) = self.lc.map_succeeded(m) {
+                                assert_eq!(back, m);
+                                self.give_back(back);
+                            }
+                        } else {
+                            self.lc.map_failed();
+                        }
+                    }
+                    c => self.call = c,
+                },
+                Op::Unmap | Op::PutPages if !busy => {
+                    let m = match op {
+                        Op::Unmap => self.lc.unmap(),
+                        _ => self.lc.put_pages(),
+                    };
+                    if let Some(m) = m {
+                        self.give_back(m);
+                    }
+                }
+                // `release` waits while a callback is inside the core.
+                Op::Release { foreign } if !busy && self.in_core.is_none() => {
+                    let tgid = if foreign { OTHER } else { OWNER };
+                    let r = self.lc.release(tgid);
+                    if let Some(m) = r.map {
+                        self.give_back(m);
+                    }
+                    if r.orphaned {
+                        assert!(foreign && !self.persistent);
+                        assert!(r.unpin.is_none());
+                        self.foreign_release = true;
+                    }
+                    if let Some(t) = r.unpin {
+                        let rec = self.pins.get_mut(&t).unwrap();
+                        assert!(!rec.put, "table {t} unpinned twice");
+                        rec.put = true;
+                        // A non-persistent unpin from another process does
+                        // nothing at the provider (fact 7); a persistent one
+                        // on a freed table is a use after free (fact 9).
+                        assert!(self.persistent || !foreign, "unpin from another process");
+                        assert!(!self.persistent || !rec.table_freed);
+                        self.call = Some(Call::Unpin(t));
+                    }
+                }
+                Op::UnpinReturns { ok } => match self.call.take() {
+                    Some(Call::Unpin(t)) => {
+                        let persistent = self.persistent;
+                        let rec = self.pins.get_mut(&t).unwrap();
+                        if ok && rec.linked {
+                            rec.linked = false;
+                            rec.table_freed = true;
+                            rec.ended += 1;
+                        }
+                        if persistent && !ok {
+                            rec.leaked = true;
+                        }
+                        let (how, tok) = self.lc.unpinned(ok);
+                        if let Some(tok) = tok {
+                            assert_eq!(tok.reclaim(), t);
+                            assert!(ok && !persistent);
+                            assert!(!rec.fired, "reclaimed a reference the callback consumed");
+                            assert!(!rec.reclaimed, "reclaimed twice");
+                            assert!(!rec.linked, "reclaimed while the callback is armed");
+                            rec.reclaimed = true;
+                            assert_eq!(how, Unpinned::Reclaim);
+                        }
+                        match how {
+                            Unpinned::Reclaim => assert!(rec.reclaimed),
+                            Unpinned::Raced => assert!(rec.fired),
+                            Unpinned::Stranded => assert!(!ok && !persistent && rec.linked),
+                            Unpinned::Persistent => assert!(ok && persistent),
+                            Unpinned::Leaked => assert!(!ok && persistent),
+                        }
+                    }
+                    c => self.call = c,
+                },
+                Op::Callback if self.in_core.is_none() && !self.persistent => {
+                    let Some((&id, rec)) = self
+                        .pins
+                        .iter_mut()
+                        .find(|(_, r)| r.linked && !r.fired)
+                    else {
+                        return;
+                    };
+                    assert!(!rec.reclaimed, "callback on a reclaimed reference");
+                    rec.linked = false;
+                    rec.fired = true;
+                    rec.ended += 1;
+                    let (action, table) = self.lc.invalidate();
+                    if let Some(t) = table {
+                        assert_eq!(t, id);
+                    }
+                    match action {
+                        Invalidate::NotifyCore(ctx) => {
+                            assert_eq!(ctx, CTX);
+                            self.in_core = Some(id);
+                        }
+                        Invalidate::Reaped { orphaned } => {
+                            assert_eq!(orphaned, self.foreign_release);
+                            rec.table_freed = true;
+                        }
+                        Invalidate::Quiet => rec.table_freed = true,
+                    }
+                }
+                // The core's invalidate waits for the mapping lock, held
+                // across dma_map.
+                Op::CallbackLeaves if !matches!(self.call, Some(Call::Map(_))) => {
+                    if let Some(id) = self.in_core.take() {
+                        if let Some(m) = self.lc.revoked_map() {
+                            self.give_back(m);
+                        }
+                        self.pins.get_mut(&id).unwrap().table_freed = true;
+                    }
+                }
+                _ => (),
+            }
+            self.check();
+        }
+
+        /// The lifecycle holds a callback's reference exactly while the GPU
+        /// driver keeps that callback armed and no provider call holds it.
+        fn check(&self) {
+            let in_flight = match &self.call {
+                Some(Call::Pin(Some(p))) => Some(p.table),
+                _ => None,
+            };
+            let armed = !self.persistent
+                && self
+                    .pins
+                    .iter()
+                    .any(|(&id, r)| r.linked && !r.fired && Some(id) != in_flight);
+            assert_eq!(self.lc.callback_armed(), armed);
+        }
+
+        /// Everyone finishes: calls return, the core releases, the memory is
+        /// freed (cudaFree or the owner's exit).
+        fn finish(&mut self) {
+            for _ in 0..3 {
+                for op in [
+                    Op::MapReturns { ok: true },
+                    Op::PinReturns,
+                    Op::UnpinReturns { ok: true },
+                    Op::CallbackLeaves,
+                    Op::Release { foreign: false },
+                    Op::UnpinReturns { ok: true },
+                    Op::Callback,
+                    Op::CallbackLeaves,
+                ] {
+                    self.apply(op);
+                }
+            }
+            assert!(self.call.is_none() && self.in_core.is_none());
+            assert_eq!(self.lc.phase(), Phase::Released);
+            assert!(!self.lc.callback_armed());
+            assert_eq!(self.maps_made, self.maps_back, "a map was never handed back");
+            let dropped = self.dropped.borrow();
+            for (id, r) in &self.pins {
+                let drops = dropped.iter().filter(|&&p| p == *id).count();
+                if r.leaked {
+                    continue;
+                }
+                assert_eq!(r.ended, 1, "pin {id} ended {} times", r.ended);
+                assert!(!r.linked);
+                if !self.persistent {
+                    // Consumed once: by the callback or by a reclaim.
+                    assert!(r.fired != r.reclaimed);
+                    assert_eq!(drops, usize::from(r.fired));
+                }
+            }
+        }
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Acquire { ok: true }),
+            1 => Just(Op::Acquire { ok: false }),
+            4 => Just(Op::PinReturns),
+            3 => Just(Op::GetPages { good: true }),
+            1 => Just(Op::GetPages { good: false }),
+            3 => Just(Op::DmaMap),
+            3 => any::<bool>().prop_map(|ok| Op::MapReturns { ok }),
+            1 => Just(Op::Unmap),
+            1 => Just(Op::PutPages),
+            1 => any::<bool>().prop_map(|foreign| Op::Release { foreign }),
+            2 => any::<bool>().prop_map(|ok| Op::UnpinReturns { ok }),
+            2 => Just(Op::Callback),
+            2 => Just(Op::CallbackLeaves),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// Each table is unpinned at most once, a token is reclaimed at most
+        /// once and never after the callback consumed it, a map is handed
+        /// back at most once; and in the end every object had its one end.
+        #[test]
+        fn random_calls_keep_ownership(persistent in any::<bool>(), ops in proptest::collection::vec(op(), 0..48)) {
+            let mut s = Sim::new(persistent);
+            for op in ops {
+                s.apply(op);
+            }
+            s.finish();
+        }
+    }
+
+    /// Every way of reaching the end of a pin, run to completion.
     #[test]
-    fn revoke_during_every_phase_keeps_provider_untouched() {
-        for steps in 0..4 {
-            let mut l = Lifecycle::new(true);
-            let mut phase_ok = true;
-            if steps >= 1 {
-                l.start_pin().unwrap();
+    fn every_race_of_the_callback_completes() {
+        use Op::*;
+        let lives: &[&[Op]] = &[
+            &[Acquire { ok: true }, Callback, PinReturns],
+            &[Acquire { ok: true }, PinReturns, Callback],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: false }, Callback],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, Callback, MapReturns { ok: true }, CallbackLeaves],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, MapReturns { ok: true }, Callback, Unmap, CallbackLeaves],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, Callback, UnpinReturns { ok: true }],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, Callback, UnpinReturns { ok: false }],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, UnpinReturns { ok: false }, Callback],
+            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, MapReturns { ok: true }, Release { foreign: true }, Callback],
+            &[Acquire { ok: false }, PinReturns, Acquire { ok: true }, PinReturns, Release { foreign: false }, UnpinReturns { ok: true }],
+        ];
+        for persistent in [false, true] {
+            for life in lives {
+                let mut s = Sim::new(persistent);
+                for &op in *life {
+                    s.apply(op);
+                }
+                s.finish();
             }
-            if steps >= 2 {
-                phase_ok &= l.pin_succeeded() == Outcome::Done;
-            }
-            if steps >= 3 {
-                l.start_map().unwrap();
-                phase_ok &= l.map_succeeded() == Outcome::Done;
-            }
-            assert!(phase_ok);
-            l.invalidate();
-            assert!(!l.put_pages().unpin_provider);
-            let t = l.release();
-            assert!(!t.unpin_provider && !t.unmap_provider);
-            assert!(!l.unpinned());
         }
     }
 }

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The client's own DMA mapping of pinned BAR pages for the peer device, used
+//! for non-persistent pins instead of `nvidia_p2p_dma_map_pages`.
+//!
+//! Why: the core calls `dma_map` with the registration's mapping lock held,
+//! and the GPU driver takes its API lock inside `nvidia_p2p_dma_map_pages`,
+//! while it holds that same lock around the free callback, whose invalidate
+//! waits for the mapping lock (real-driver-behaviour.md, facts 1-3, 12-13).
+//! Mapping the BAR pages ourselves takes no lock of the GPU driver's, so a
+//! free racing a registration cannot deadlock. It maps what the driver would
+//! (`dma_map_resource` of the BAR bus addresses, fact 4), but one mapping per
+//! physically contiguous run, so a translating IOMMU gives one IOVA range (and
+//! one scatterlist entry) per run instead of one per 64 KiB page.
+
+use core::ptr::NonNull;
+
+use kernel::{
+    bindings::device,
+    prelude::*, //
+};
+
+use crate::{
+    coalesce::{
+        Runs,
+        Segment, //
+    },
+    ffi,
+    p2p::PageView,
+    peer_device::PeerDevice,
+    range::GPU_PAGE_SIZE,
+    sg::SgTable,
+};
+
+/// DMA mappings of BAR runs for one device, undone on drop.
+///
+/// # Invariants
+///
+/// Each segment of `runs` is a live `dma_map_resource` mapping for `dev`,
+/// undone exactly once, on drop; `dev` stays alive while the core keeps the
+/// registration (it holds the device until it released the registration,
+/// which waits for this mapping to be dropped).
+struct Iovas {
+    dev: NonNull<device>,
+    runs: KVec<Segment>,
+}
+
+impl Drop for Iovas {
+    fn drop(&mut self) {
+        for r in self.runs.iter() {
+            // SAFETY: mapped for `dev` by `peermem_map_bar`, undone once
+            // (type invariant).
+            unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), r.addr, r.len) };
+        }
+    }
+}
+
+/// A scatterlist over the client's own mappings of BAR pages.
+pub(crate) struct BarMap {
+    // Drop order: the scatterlist the core saw goes first, then the IOVAs.
+    sg: SgTable,
+    _iovas: Iovas,
+}
+
+// SAFETY: the device pointer is only handed to the DMA API, callable from any
+// thread; the rest is owned memory.
+unsafe impl Send for BarMap {}
+
+impl BarMap {
+    /// Maps every page of `pages` for `peer`.
+    pub(crate) fn new(pages: &PageView<'_>, peer: &PeerDevice) -> Result<Self> {
+        if pages.coherent() {
+            // No BAR behind coherent memory: only the GPU driver knows how
+            // to map it, and it takes its lock to do so.
+            return Err(EOPNOTSUPP);
+        }
+        let n = pages.len();
+        if (0..n).any(|i| pages.physical_address(i).is_none()) {
+            return Err(EINVAL);
+        }
+        let addr = |i| pages.physical_address(i).unwrap_or(0);
+        let max = peer.max_segment();
+        let count = Runs::new(n, addr, GPU_PAGE_SIZE, max).count();
+        let mut iovas = Iovas {
+            dev: NonNull::new(peer.dev()).ok_or(EINVAL)?,
+            runs: KVec::with_capacity(count, GFP_KERNEL)?,
+        };
+        for run in Runs::new(n, addr, GPU_PAGE_SIZE, max) {
+            let mut dma = 0u64;
+            // SAFETY: a live device; `run` is BAR memory the GPU driver keeps
+            // pinned while the caller holds the table.
+            kernel::error::to_result(unsafe {
+                ffi::peermem_map_bar(iovas.dev.as_ptr(), run.addr, run.len, &mut dma)
+            })?;
+            // INVARIANT: mapped just now; on a later failure `iovas` drops and
+            // unmaps it. Capacity was reserved, so this cannot fail.
+            iovas.runs.push(
+                Segment {
+                    addr: dma,
+                    len: run.len,
+                },
+                GFP_ATOMIC,
+            )?;
+        }
+        let sg = SgTable::new(count, iovas.runs.iter().copied())?;
+        Ok(Self { sg, _iovas: iovas })
+    }
+
+    /// The scatterlist.
+    pub(crate) fn sg(&self) -> &SgTable {
+        &self.sg
+    }
+}

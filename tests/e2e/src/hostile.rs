@@ -1,0 +1,738 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Scenarios of the faithful testbed: what the real NVIDIA driver and the
+//! real OFED core do that a kind emulator would not
+//! (../shared/reference/real-driver-behaviour.md): the RM lock held across
+//! free callbacks and taken by every p2p call, unpins found by the caller's
+//! process, failing unpins, callbacks from a kernel thread after the owner
+//! exited, page-table addresses reused at once, the core's mapping lock held
+//! until the "mkey" exists, release clearing the core's client pointer, and
+//! RLIMIT_MEMLOCK charged before any client is asked.
+
+use std::{
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    dev::{Core, Gpu},
+    module,
+    scenarios::{errno_name, expect_err, pattern, stat},
+    uapi::*,
+    Ctx,
+};
+
+const M: u64 = 1 << 20;
+const EMU: &str = "/sys/kernel/debug/nv_p2p_emu";
+const CORE_DBG: &str = "/sys/kernel/debug/peer_mem_core";
+const CORE_PARAM: &str = "/sys/module/peer_mem_core/parameters";
+
+macro_rules! ensure {
+    ($c:expr, $($fmt:tt)*) => {
+        if !$c {
+            return Err(format!($($fmt)*));
+        }
+    };
+}
+
+/// A harness knob, put back to `restore` when dropped.
+struct Knob {
+    path: String,
+    restore: String,
+}
+
+impl Knob {
+    fn set(path: String, value: &str, restore: &str) -> Result<Self, String> {
+        module::debugfs_write(&path, value)?;
+        Ok(Self {
+            path,
+            restore: restore.into(),
+        })
+    }
+    fn emu(name: &str, value: &str) -> Result<Self, String> {
+        Self::set(format!("{EMU}/{name}"), value, "0")
+    }
+    fn core(name: &str, value: &str) -> Result<Self, String> {
+        Self::set(format!("{CORE_PARAM}/{name}"), value, "0")
+    }
+}
+
+impl Drop for Knob {
+    fn drop(&mut self) {
+        let _ = module::debugfs_write(&self.path, &self.restore);
+    }
+}
+
+/// A child process, forked here; it runs `f` and exits with its status.
+struct Child {
+    pid: i32,
+    to_child: i32,
+    from_child: i32,
+}
+
+impl Child {
+    /// Forks; the child runs `f(&child_side)` and `_exit`s with its return.
+    fn fork(f: impl FnOnce(&ChildSide) -> i32) -> Result<Self, String> {
+        let (mut a, mut b) = ([0i32; 2], [0i32; 2]);
+        // SAFETY: pipes into local arrays.
+        ensure!(
+            unsafe { libc::pipe(a.as_mut_ptr()) == 0 && libc::pipe(b.as_mut_ptr()) == 0 },
+            "pipe"
+        );
+        // SAFETY: the scenario runs no other thread now; the child uses its
+        // own handles and syscalls, then `_exit`s without unwinding.
+        let pid = unsafe { libc::fork() };
+        ensure!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let side = ChildSide {
+                rx: a[0],
+                tx: b[1],
+            };
+            let rc = f(&side);
+            // SAFETY: leaving the child without running the parent's drops.
+            unsafe { libc::_exit(rc) };
+        }
+        // SAFETY: closing the child's ends in the parent.
+        unsafe {
+            libc::close(a[0]);
+            libc::close(b[1]);
+        }
+        Ok(Self {
+            pid,
+            to_child: a[1],
+            from_child: b[0],
+        })
+    }
+
+    /// Reads a u64 the child sent.
+    fn recv(&self) -> Result<u64, String> {
+        let mut v = [0u8; 8];
+        // SAFETY: reading into a local buffer from our pipe.
+        let n = unsafe { libc::read(self.from_child, v.as_mut_ptr().cast(), 8) };
+        ensure!(n == 8, "the child sent nothing (it failed)");
+        Ok(u64::from_ne_bytes(v))
+    }
+
+    /// Tells the child to go on.
+    fn go(&self) {
+        // SAFETY: one byte to our pipe.
+        unsafe { libc::write(self.to_child, [1u8].as_ptr().cast(), 1) };
+    }
+
+    /// Waits for the child's exit; its exit status.
+    fn wait(self) -> i32 {
+        let mut st = 0;
+        // SAFETY: our child; then our pipe ends.
+        unsafe {
+            libc::waitpid(self.pid, &mut st, 0);
+            libc::close(self.to_child);
+            libc::close(self.from_child);
+        }
+        if libc::WIFEXITED(st) {
+            libc::WEXITSTATUS(st)
+        } else {
+            -1
+        }
+    }
+}
+
+/// The child's ends of the pipes.
+struct ChildSide {
+    rx: i32,
+    tx: i32,
+}
+
+impl ChildSide {
+    fn send(&self, v: u64) {
+        // SAFETY: eight bytes to our pipe.
+        unsafe { libc::write(self.tx, v.to_ne_bytes().as_ptr().cast(), 8) };
+    }
+    fn wait_go(&self) {
+        let mut b = [0u8];
+        // SAFETY: one byte from our pipe.
+        unsafe { libc::read(self.rx, b.as_mut_ptr().cast(), 1) };
+    }
+}
+
+/// Polls `f` for up to `secs` seconds.
+fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) -> Result<(), String> {
+    let t = Instant::now();
+    while !f() {
+        ensure!(
+            t.elapsed() < Duration::from_secs(secs),
+            "{what}: not within {secs} s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// Runs `f` on a thread and waits at most `secs` for it: a registration that
+/// does not come back is a deadlock (the GPU driver's lock against the core's
+/// mapping lock), reported instead of hanging the run.
+fn within<T: Send + 'static>(
+    secs: u64,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(secs))
+        .map_err(|_| format!("DEADLOCK: {what} did not return within {secs} s"))
+}
+
+fn ours(ctx: &Ctx) -> bool {
+    !ctx.opts.reference
+}
+
+/// The GPU driver and the DMA mapping it would make for a persistent pin
+/// give contiguous bus addresses only without a translating IOMMU, or when
+/// it maps whole runs.
+pub fn provider_contiguous() -> bool {
+    let style = std::fs::read_to_string(format!("{EMU}/dma_map_style")).unwrap_or_default();
+    style.trim() == "2" || !iommu_translates()
+}
+
+/// Whether the HCA's DMA goes through a translating IOMMU.
+pub fn iommu_translates() -> bool {
+    let dev = match hca_device() {
+        Some(d) => d,
+        None => return false,
+    };
+    let t = std::fs::read_to_string(format!("/sys/bus/pci/devices/{dev}/iommu_group/type"))
+        .unwrap_or_default();
+    matches!(t.trim(), "DMA" | "DMA-FQ")
+}
+
+/// The PCI name of the emulated HCA (edu).
+pub fn hca_device() -> Option<String> {
+    std::fs::read_dir("/sys/bus/pci/drivers/peer_mem_core_hca")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.contains(':'))
+}
+
+/// Release in another process (fact 7): the RDMA fd's last reference is in a
+/// forked child, which exits; the GPU memory is freed after, or before.
+pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
+    let mut out = Vec::new();
+    for free_first in [false, true] {
+        let gi0 = ctx.gpu().info();
+        let (fr0, cb0) = (stat("foreign_releases"), gi0.callbacks);
+        let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
+        let core = Core::open()?;
+        let h = core
+            .reg(a.va + 4096, M, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
+        let seed = ctx.rand();
+        core.dma_write(h, 0, &pattern(seed, 0, 64))
+            .map_err(errno_name)?;
+        ensure!(
+            a.read(4096, 64) == pattern(seed, 0, 64),
+            "DMA before the fork"
+        );
+        let child = Child::fork(|c| {
+            c.send(1);
+            c.wait_go();
+            0
+        })?;
+        child.recv()?;
+        // The parent's descriptor goes: the child's copy is the last one.
+        drop(core);
+        if free_first {
+            a.unmap();
+        }
+        child.go();
+        ensure!(child.wait() == 0, "child failed");
+        let gi1 = ctx.gpu().info();
+        if !free_first && ours(ctx) {
+            ensure!(
+                stat("foreign_releases") == fr0 + 1,
+                "the release in the child was not recognised as foreign"
+            );
+            ensure!(stat("orphaned_pins") == 1, "orphaned pin not counted");
+            ensure!(
+                gi1.live_tables == gi0.live_tables + 1,
+                "the pin must stay with the GPU driver until the memory is freed"
+            );
+            ensure!(
+                gi1.foreign_puts == gi0.foreign_puts,
+                "the module called nvidia_p2p_put_pages from another process"
+            );
+        }
+        if !free_first {
+            a.unmap();
+        }
+        let gi2 = ctx.gpu().info();
+        ensure!(
+            gi2.callbacks == cb0 + 1,
+            "{} free callbacks, expected 1",
+            gi2.callbacks - cb0
+        );
+        if ours(ctx) {
+            ensure!(stat("orphaned_pins") == 0, "orphaned pin not reaped");
+        }
+        out.push(format!(
+            "free {}: {} foreign unpins",
+            if free_first { "first" } else { "after" },
+            gi2.foreign_puts - gi0.foreign_puts
+        ));
+    }
+    Ok(out.join(", "))
+}
+
+/// A failed unpin (fact 8) leaves the pin and its callback armed; the later
+/// free must find the registration alive, and the pin must be reported.
+pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
+    let gi0 = ctx.gpu().info();
+    let f0 = stat("fail_unpin");
+    let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let h = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    module::inject("put_pages", 1, libc::EIO)?;
+    let r = ctx.core.dereg(h);
+    module::inject("put_pages", 0, libc::EIO)?;
+    r.map_err(errno_name)?;
+    let gi1 = ctx.gpu().info();
+    ensure!(gi1.failed_unpins == gi0.failed_unpins + 1, "no unpin failed");
+    if ours(ctx) {
+        ensure!(stat("stranded_pins") == 1, "stranded pin not counted");
+        ensure!(stat("fail_unpin") == f0 + 1, "unpin failure not reported");
+        ensure!(
+            !module::rmmod("nvidia_peermem")?,
+            "rmmod accepted while a free callback is armed with our code"
+        );
+    }
+    ensure!(
+        gi1.live_tables == gi0.live_tables + 1,
+        "the failed unpin freed the table"
+    );
+    a.unmap();
+    let gi2 = ctx.gpu().info();
+    ensure!(
+        gi2.callbacks == gi0.callbacks + 1,
+        "the free did not call back"
+    );
+    if ours(ctx) {
+        ensure!(stat("stranded_pins") == 0, "stranded pin not reaped");
+    }
+    Ok("unpin failed with EIO; the free callback ended the pin".into())
+}
+
+/// A failing nvidia_p2p_dma_unmap_pages of a persistent pin: counted, and
+/// the unpin that follows still frees the table and its mappings.
+pub fn dma_unmap_failure(ctx: &mut Ctx) -> Result<String, String> {
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    // A CQ/QP umem: persistent in every mode.
+    let h = ctx.core.reg(a.va, M, 0).map_err(errno_name)?;
+    let f0 = stat("fail_unpin");
+    module::inject("dma_unmap_pages", 1, libc::EIO)?;
+    let r = ctx.core.dereg(h);
+    module::inject("dma_unmap_pages", 0, libc::EIO)?;
+    r.map_err(errno_name)?;
+    if ours(ctx) {
+        ensure!(
+            stat("fail_unpin") == f0 + 1,
+            "dma_unmap failure not reported"
+        );
+    }
+    drop(a);
+    Ok("dma_unmap failed with EIO; unpin freed the rest".into())
+}
+
+/// cudaFree racing ibv_reg_mr while the core holds the mapping lock: between
+/// get_pages and dma_map, and in the activation window after dma_map (mlx5
+/// creating its mkey), optionally failing the activation. The free callback
+/// holds the GPU driver's lock and waits for the mapping lock; a client that
+/// takes the GPU driver's lock in dma_map deadlocks (facts 1-3, 12-13).
+pub fn free_races_registration(ctx: &mut Ctx) -> Result<String, String> {
+    let mut out = Vec::new();
+    // (core knob held open 300 ms, what, fail the activation, the GPU
+    // driver's free holds its lock this long before calling back). The last
+    // step makes dma_map start while the free holds the GPU driver's lock
+    // and calls back 200 ms later, into an invalidate that waits for the
+    // mapping lock: a client whose dma_map takes the GPU driver's lock
+    // deadlocks there (NVIDIA's C module does).
+    let steps: [(&str, &str, bool, &str); 4] = [
+        ("map_delay_ms", "get_pages..dma_map", false, "0"),
+        ("activate_delay_ms", "dma_map..activation", false, "0"),
+        ("activate_delay_ms", "failed activation", true, "0"),
+        ("map_delay_ms", "dma_map under a free holding the RM lock", false, "400"),
+    ];
+    for (knob, what, fail, hold) in steps {
+        let _k = Knob::core(knob, "300")?;
+        let _h = Knob::emu("free_delay_ms", hold)?;
+        let _f = if fail {
+            Some(Knob::set(format!("{CORE_DBG}/fail_after_map"), "1 -12", "0 0")?)
+        } else {
+            None
+        };
+        let cb0 = ctx.gpu().info().callbacks;
+        let gpu = Gpu::open()?;
+        let mut a = gpu.alloc(0, M).map_err(errno_name)?;
+        let va = a.va;
+        let core = std::sync::Arc::new(Core::open()?);
+        let c2 = std::sync::Arc::clone(&core);
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(c2.reg(va, M, PMC_REG_INVAL_SUPP));
+        });
+        // The free lands inside the window the knob holds open.
+        std::thread::sleep(Duration::from_millis(100));
+        let freed = within(20, &format!("cudaFree during {what}"), move || {
+            a.unmap();
+            a
+        })?;
+        drop(freed);
+        let r = rx
+            .recv_timeout(Duration::from_secs(20))
+            .map_err(|_| format!("DEADLOCK: ibv_reg_mr racing cudaFree during {what}"))?;
+        let result = match r {
+            Ok(h) => {
+                let q = core.query(h).map_err(errno_name)?;
+                ensure!(
+                    q.revoked == 1,
+                    "{what}: registered MR not revoked by the free"
+                );
+                expect_err(core.dma_read(h, 0, 16), libc::EACCES, "DMA after free")?;
+                core.dereg(h).map_err(errno_name)?;
+                "registered, then revoked".to_string()
+            }
+            Err(e) => {
+                ensure!(
+                    e == libc::EFAULT || (fail && e == libc::ENOMEM),
+                    "{what}: registration failed with {}",
+                    errno_name(e)
+                );
+                format!("refused {}", errno_name(e))
+            }
+        };
+        ensure!(
+            ctx.gpu().info().callbacks == cb0 + 1,
+            "{what}: no free callback"
+        );
+        out.push(format!("{what}: {result}"));
+    }
+    Ok(out.join("; "))
+}
+
+/// How a child process ends with a live MR: which of its descriptors goes
+/// first, and whether the GPU driver tears down from its kernel thread.
+#[derive(Clone, Copy)]
+enum ExitOrder {
+    /// Plain exit: the GPU mapping goes first (callback in the exiting child),
+    /// then the RDMA descriptor (release finds the MR revoked).
+    GpuFirst,
+    /// The GPU driver defers its teardown to its kernel thread: the RDMA
+    /// descriptor goes first (release unpins in the owner), the callback
+    /// never comes.
+    RdmaFirst,
+    /// The MR lives in the parent's RDMA descriptor: the callback comes from
+    /// the GPU driver's kernel thread after the owner is gone.
+    KernelThread,
+    /// As `KernelThread`, but the parent deregisters first: a release in
+    /// another process than the (dead) owner; the kernel thread's callback
+    /// ends the pin.
+    ParentDeregFirst,
+}
+
+fn exit_order(ctx: &mut Ctx, order: ExitOrder) -> Result<String, String> {
+    let deferred = !matches!(order, ExitOrder::GpuFirst);
+    let _k = if deferred {
+        Some(Knob::emu("deferred_teardown_ms", "300")?)
+    } else {
+        None
+    };
+    let gi0 = ctx.gpu().info();
+    let parent_core = Core::open()?;
+    let shared = matches!(order, ExitOrder::KernelThread | ExitOrder::ParentDeregFirst);
+    let pc = &parent_core;
+    let child = Child::fork(move |c| {
+        let run = || -> Option<u64> {
+            let g = Gpu::open().ok()?;
+            let a = g.alloc(0, M).ok()?;
+            let own = if shared { None } else { Some(Core::open().ok()?) };
+            let core = own.as_ref().unwrap_or(pc);
+            let h = core.reg(a.va, M, PMC_REG_INVAL_SUPP).ok()?;
+            core.dma_write(h, 0, &[0x5a; 16]).ok()?;
+            // Everything stays open and mapped until the process exits.
+            std::mem::forget((a, g, own));
+            Some(h)
+        };
+        match run() {
+            Some(h) => {
+                c.send(h);
+                c.wait_go();
+                0
+            }
+            None => 1,
+        }
+    })?;
+    let h = child.recv()?;
+    let live0 = stat("live_registrations");
+    if matches!(order, ExitOrder::ParentDeregFirst) {
+        parent_core.dereg(h).map_err(errno_name)?;
+    }
+    child.go();
+    ensure!(child.wait() == 0, "child failed");
+    let gi1 = ctx.gpu().info();
+    let detail = match order {
+        ExitOrder::GpuFirst => {
+            ensure!(gi1.callbacks == gi0.callbacks + 1, "no callback at exit");
+            "callback in the exiting child, then release".to_string()
+        }
+        ExitOrder::RdmaFirst => {
+            wait_for(5, "deferred GPU teardown", || {
+                ctx.gpu().info().live_allocs == gi0.live_allocs
+            })?;
+            let gi = ctx.gpu().info();
+            ensure!(
+                gi.unpins == gi0.unpins + 1 && gi.callbacks == gi0.callbacks,
+                "release in the owner must unpin ({} unpins, {} callbacks)",
+                gi.unpins - gi0.unpins,
+                gi.callbacks - gi0.callbacks
+            );
+            "release unpinned in the exiting owner, teardown found nothing".to_string()
+        }
+        ExitOrder::KernelThread | ExitOrder::ParentDeregFirst => {
+            wait_for(5, "callback from the GPU driver's kernel thread", || {
+                ctx.gpu().info().deferred_callbacks > gi0.deferred_callbacks
+            })?;
+            if matches!(order, ExitOrder::KernelThread) {
+                let q = parent_core.query(h).map_err(errno_name)?;
+                ensure!(q.revoked == 1, "MR not revoked by the kernel thread");
+                expect_err(
+                    parent_core.dma_read(h, 0, 16),
+                    libc::EACCES,
+                    "DMA after teardown",
+                )?;
+                parent_core.dereg(h).map_err(errno_name)?;
+                "callback from the kernel thread revoked the parent's MR".to_string()
+            } else {
+                if ours(ctx) {
+                    ensure!(stat("orphaned_pins") == 0, "orphan not reaped");
+                }
+                "parent's release left the pin; the kernel thread's callback ended it".to_string()
+            }
+        }
+    };
+    if ours(ctx) {
+        ensure!(live0 >= 1, "the child's MR was not live ({live0})");
+    }
+    drop(parent_core);
+    Ok(detail)
+}
+
+pub fn exit_gpu_first(ctx: &mut Ctx) -> Result<String, String> {
+    exit_order(ctx, ExitOrder::GpuFirst)
+}
+pub fn exit_rdma_first(ctx: &mut Ctx) -> Result<String, String> {
+    exit_order(ctx, ExitOrder::RdmaFirst)
+}
+pub fn callback_from_kernel_thread(ctx: &mut Ctx) -> Result<String, String> {
+    exit_order(ctx, ExitOrder::KernelThread)
+}
+pub fn foreign_dereg_then_kernel_thread(ctx: &mut Ctx) -> Result<String, String> {
+    exit_order(ctx, ExitOrder::ParentDeregFirst)
+}
+
+/// The free callback's reference is the registration's last (the unpin
+/// failed), and rmmod races the free: the module must not go while its code
+/// runs, and must go once it can.
+pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
+    let rounds = if ctx.opts.quick { 3 } else { 12 };
+    let name = std::ffi::CString::new("nvidia_peermem").map_err(|e| e.to_string())?;
+    for i in 0..rounds {
+        let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+        let h = ctx
+            .core
+            .reg(a.va, M, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
+        module::inject("put_pages", 1, libc::EIO)?;
+        let r = ctx.core.dereg(h);
+        module::inject("put_pages", 0, libc::EIO)?;
+        r.map_err(errno_name)?;
+        ensure!(stat("stranded_pins") == 1, "round {i}: pin not stranded");
+        let (tx, rx) = mpsc::channel();
+        let (armed_tx, armed_rx) = mpsc::channel();
+        let n = name.clone();
+        let unloader = std::thread::spawn(move || {
+            let t = Instant::now();
+            let mut tries = 0u64;
+            loop {
+                tries += 1;
+                // SAFETY: a NUL-terminated name; O_NONBLOCK: refuse instead
+                // of waiting while the module is in use.
+                let rc = unsafe {
+                    libc::syscall(libc::SYS_delete_module, n.as_ptr(), libc::O_NONBLOCK)
+                };
+                if rc == 0 || t.elapsed() > Duration::from_secs(10) {
+                    let _ = tx.send(if rc == 0 { tries } else { 0 });
+                    return;
+                }
+                if tries == 1 {
+                    let _ = armed_tx.send(());
+                }
+                std::hint::spin_loop();
+            }
+        });
+        // The first attempt must be refused: the armed callback holds the
+        // module. Then the free races the unloader's next attempts.
+        let refused_first = armed_rx.recv_timeout(Duration::from_secs(5)).is_ok();
+        std::thread::sleep(Duration::from_millis(i % 3));
+        a.unmap();
+        let tries = rx
+            .recv_timeout(Duration::from_secs(15))
+            .map_err(|_| "unloader hung".to_string())?;
+        let _ = unloader.join();
+        ensure!(
+            refused_first,
+            "round {i}: rmmod succeeded while a free callback was armed"
+        );
+        ensure!(
+            tries > 0,
+            "round {i}: the module never unloaded after its last callback"
+        );
+        ctx.load()?;
+    }
+    Ok(format!(
+        "{rounds} rounds: unloaded right after the last free callback"
+    ))
+}
+
+/// The GPU driver hands a freed page table's address to the next pin at once
+/// (fact 10): a client that touched a revoked registration's table would
+/// now hit another registration's.
+pub fn table_address_reuse(ctx: &mut Ctx) -> Result<String, String> {
+    let _k = Knob::emu("reuse_tables", "1")?;
+    let gi0 = ctx.gpu().info();
+    let rounds = if ctx.opts.quick { 4 } else { 16 };
+    for i in 0..rounds {
+        let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+        let b = ctx.gpu().alloc(1, M).map_err(errno_name)?;
+        let ha = ctx
+            .core
+            .reg(a.va, M, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
+        // Revoke A: its table is freed and handed to B's pin right away.
+        a.unmap();
+        let hb = ctx
+            .core
+            .reg(b.va, M, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
+        let seed = ctx.rand();
+        // A's teardown must not touch B's pin (same table address).
+        if i % 2 == 0 {
+            ctx.core.dereg(ha).map_err(errno_name)?;
+        }
+        ctx.core
+            .dma_write(hb, 0, &pattern(seed, 0, 64))
+            .map_err(|e| format!("round {i}: B lost its pin: {}", errno_name(e)))?;
+        ensure!(
+            b.read(0, 64) == pattern(seed, 0, 64),
+            "round {i}: B's DMA went elsewhere"
+        );
+        if i % 2 == 1 {
+            ctx.core.dereg(ha).map_err(errno_name)?;
+        }
+        ctx.core.dereg(hb).map_err(errno_name)?;
+    }
+    let gi = ctx.gpu().info();
+    ensure!(
+        gi.unpins - gi0.unpins == rounds && gi.callbacks - gi0.callbacks == rounds,
+        "{rounds} rounds: {} unpins, {} callbacks",
+        gi.unpins - gi0.unpins,
+        gi.callbacks - gi0.callbacks
+    );
+    Ok(format!(
+        "{rounds} rounds, {} table addresses reused",
+        gi.reused_tables - gi0.reused_tables
+    ))
+}
+
+/// RLIMIT_MEMLOCK is charged before any peer client is asked (fact 16).
+pub fn memlock_charged_first(ctx: &mut Ctx) -> Result<String, String> {
+    let _k = Knob::core("memlock_ignore_cap", "1")?;
+    let a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reading and setting our own limit.
+    unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old) };
+    let low = libc::rlimit {
+        rlim_cur: M,
+        rlim_max: old.rlim_max,
+    };
+    let acq0 = stat("acquired");
+    let gi0 = ctx.gpu().info();
+    // SAFETY: as above.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &low) };
+    let big = ctx.core.reg(a.va, 2 * M, PMC_REG_INVAL_SUPP);
+    let small = ctx.core.reg(a.va, M / 2, PMC_REG_INVAL_SUPP);
+    // SAFETY: as above.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &old) };
+    expect_err(big, libc::ENOMEM, "2 MiB over a 1 MiB RLIMIT_MEMLOCK")?;
+    let h = small.map_err(|e| format!("512 KiB under the limit: {}", errno_name(e)))?;
+    ctx.core.dereg(h).map_err(errno_name)?;
+    if ours(ctx) {
+        ensure!(
+            stat("acquired") == acq0 + 1,
+            "the client was asked about a registration over the limit"
+        );
+    }
+    ensure!(
+        ctx.gpu().info().pins + ctx.gpu().info().persistent_pins
+            == gi0.pins + gi0.persistent_pins + 1,
+        "a pin was made for a registration over the limit"
+    );
+    Ok("over the limit: ENOMEM before any client; under: registered".into())
+}
+
+/// The 580+ topology gate (fact 5): the GPU driver refuses to map for a
+/// peer it does not share a switch with. User space gets EOPNOTSUPP (never
+/// 524). The invalidating client maps BAR pages itself and is not gated.
+pub fn topology_gate(ctx: &mut Ctx) -> Result<String, String> {
+    let hca = hca_device().ok_or("no HCA bound")?;
+    let _k = Knob::set(format!("{EMU}/topo_deny"), &format!("0 {hca}"), "clear")?;
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let gi0 = ctx.gpu().info();
+    // A CQ/QP umem is persistent in every mode: the GPU driver maps it.
+    let r = ctx.core.reg(a.va, M, 0);
+    let gi1 = ctx.gpu().info();
+    let persistent = match r {
+        Ok(h) => {
+            ctx.core.dereg(h).map_err(errno_name)?;
+            return Err("the topology gate was not applied".into());
+        }
+        Err(e) => e,
+    };
+    ensure!(persistent != 524, "ENOTSUPP (524) leaked to user space");
+    if ours(ctx) {
+        ensure!(
+            persistent == libc::EOPNOTSUPP,
+            "gated mapping: user got {}, expected EOPNOTSUPP",
+            errno_name(persistent)
+        );
+    }
+    ensure!(
+        gi1.topo_refusals == gi0.topo_refusals + 1,
+        "the gate refused {} times",
+        gi1.topo_refusals - gi0.topo_refusals
+    );
+    let mut detail = format!("persistent: {}", errno_name(persistent));
+    if ctx.mode.invalidating() && ours(ctx) {
+        let h = ctx
+            .core
+            .reg(a.va, M, PMC_REG_INVAL_SUPP)
+            .map_err(|e| format!("invalidating MR: {}", errno_name(e)))?;
+        ctx.core.dereg(h).map_err(errno_name)?;
+        detail.push_str("; invalidating MR mapped by the client, not gated");
+    }
+    Ok(detail)
+}
