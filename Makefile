@@ -30,6 +30,7 @@ FULL_SETUP := $(filter test soak,$(or $(MAKECMDGOALS),all))
 $(or $(MAKECMDGOALS),all): peermem-delegate ; @:
 peermem-delegate:
 	@$(TOP)/scripts/setup $(if $(FULL_SETUP),,--no-debug)
+	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
 else
 # --- inside the build root (or natively on a real node) ------------------------

@@ -23,15 +23,15 @@ use kernel::{
             Atomic,
             Release, //
         },
-        Arc,
+        Arc, //
     },
-    workqueue::Queue,
+    workqueue::Queue, //
 };
 
 use crate::{
     ffi,
     p2p::Reaper,
-    registration::Registration,
+    registration::Registration, //
 };
 
 /// The queue, published while the module is loaded.

@@ -25,7 +25,7 @@ use kernel::{
         new_work,
         Work,
         WorkItem, //
-    },
+    }, //
 };
 
 use crate::{
@@ -199,6 +199,13 @@ impl Registration {
         )?;
         let claimed = match reg.pin() {
             Ok(()) => Ok(reg),
+            // The GPU driver refuses persistent pins (MIG, vGPU): the memory
+            // is its, so say why instead of the core's "Bad address".
+            Err(e) if e == EOPNOTSUPP && mode == Mode::Persistent => {
+                kernel::pr_warn_once!("the GPU driver does not support persistent pins here (MIG or vGPU?): registrations fail with EOPNOTSUPP; load with persistent_api_support=0\n");
+                reg.inner.lock().pin_error = Some(e);
+                Ok(reg)
+            }
             // Not GPU memory, or not this process's: not ours.
             Err(e) if e == EINVAL || e == EOPNOTSUPP || e == EFAULT => Err(e),
             // The GPU driver's memory, which it cannot pin now: ours, failing.
@@ -321,29 +328,50 @@ impl Registration {
                 "dma_device is not a PCI device"
             ));
         };
-        let table = {
-            let mut g = self.inner.lock();
-            match g.lc.start_map() {
-                Ok(t) => {
-                    // SAFETY: Bound became Mapping, so the table is pinned
-                    // and was checked by `get_pages`. It stays valid until
-                    // `mapper` is cleared: a free callback that comes
-                    // meanwhile waits for that in `revoke` before it returns,
-                    // and the provider frees the table only after its
-                    // callback returns (real-driver-behaviour.md, fact 2;
-                    // scenario `free_races_registration`, and the OFED 4.x
-                    // mode, whose core holds no lock across `dma_map`). The
-                    // alias does not outlive this call, except inside a
-                    // persistent mapping, whose table is unpinned only after
-                    // the mapping is dropped.
-                    let t = unsafe { t.alias() };
-                    g.mapper = true;
-                    t
-                }
-                Err(r) => return Err(refused(r, "dma_map")),
-            }
-        };
+        let table = self.start_map()?;
         let made = self.map_pages(table, peer);
+        // SAFETY: `sg_head` is the core's table for this registration (caller).
+        let nents = unsafe { self.finish_map(made, sg_head) }?;
+        STATS.registrations.add(1, Relaxed);
+        STATS.sg_entries.add(u64::from(nents), Relaxed);
+        reg_dbg!(
+            "mapped {:#x}+{:#x}: {nents} entries",
+            self.range.start,
+            self.range.len
+        );
+        Ok(nents)
+    }
+
+    /// Moves Bound to Mapping and returns the table to map, marking it in
+    /// use until [`Registration::finish_map`].
+    fn start_map(&self) -> Result<PageTable> {
+        let mut g = self.inner.lock();
+        let t = g.lc.start_map().map_err(|r| refused(r, "dma_map"))?;
+        // SAFETY: Bound became Mapping, so the table is pinned and was
+        // checked by `get_pages`. It stays valid until `mapper` is cleared:
+        // a free callback that comes meanwhile waits for that in `revoke`
+        // before it returns, and the provider frees the table only after
+        // its callback returns (real-driver-behaviour.md, fact 2; scenario
+        // `free_races_registration`, and the `ofed4` mode, whose core holds
+        // no lock across `dma_map`). The alias does not outlive `dma_map`,
+        // except inside a persistent mapping, whose table is unpinned only
+        // after the mapping is dropped.
+        let t = unsafe { t.alias() };
+        g.mapper = true;
+        Ok(t)
+    }
+
+    /// Ends a mapping attempt: lets a waiting free callback go, and
+    /// publishes the scatterlist unless the pages were revoked meanwhile.
+    ///
+    /// # Safety
+    ///
+    /// `sg_head` must be the core's table for this registration.
+    unsafe fn finish_map(
+        &self,
+        made: Result<DeviceMap>,
+        sg_head: *mut bindings::sg_table,
+    ) -> Result<u32> {
         let mut g = self.inner.lock();
         g.mapper = false;
         self.core_left.notify_all();
@@ -364,20 +392,11 @@ impl Registration {
                 "GPU memory freed while mapping"
             ));
         }
-        let nents = g.lc.map().map_or(0, |m| {
+        Ok(g.lc.map().map_or(0, |m| {
             // SAFETY: `sg_head` is the core's table (caller).
             unsafe { m.sg().publish(sg_head) };
             m.sg().nents()
-        });
-        drop(g);
-        STATS.registrations.add(1, Relaxed);
-        STATS.sg_entries.add(u64::from(nents), Relaxed);
-        reg_dbg!(
-            "mapped {:#x}+{:#x}: {nents} entries",
-            self.range.start,
-            self.range.len
-        );
-        Ok(nents)
+        }))
     }
 
     /// Maps the pages of `table` for `peer`: ourselves for non-persistent
@@ -401,10 +420,12 @@ impl Registration {
                         e => fail!(Cause::DmaMap, e, "mapping GPU BAR pages for the device failed"),
                     })
             }
-            // SAFETY: a persistent pin, unpinned only by `release` after the
-            // mapping is dropped (the lifecycle hands out the map first).
-            Mode::Persistent => unsafe { ProviderMap::new(table, entries, peer) }
-                .map(DeviceMap::Provider),
+            Mode::Persistent => {
+                // SAFETY: a persistent pin, unpinned only by `release` after
+                // the mapping is dropped (the lifecycle hands out the map
+                // first).
+                unsafe { ProviderMap::new(table, entries, peer) }.map(DeviceMap::Provider)
+            }
         }
     }
 
@@ -470,8 +491,10 @@ impl Registration {
             Unpinned::Reclaim | Unpinned::Persistent => {
                 STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
             }
-            // The callback ended the pin first (and counted it).
-            Unpinned::Raced => (),
+            // The callback ended the pin first; it had no table to count.
+            Unpinned::Raced => {
+                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+            }
             Unpinned::Stranded => {
                 STATS.stranded_pins.add(1, Relaxed);
                 fail!(

@@ -660,19 +660,21 @@ mod lifecycle_tests {
                     p,
                     Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped
                 );
+                // The phase after a call: `next` if it was legal, else `p`.
+                let moved = |legal: bool, next: Phase| if legal { next } else { p };
 
                 // start_pin / pin_failed / pin_succeeded: only while pinning.
                 let mut l = at();
                 let ok = p == Phase::Acquired;
                 assert_eq!(l.start_pin(), if ok { Ok(()) } else { Err(refusal) });
-                assert_eq!(l.phase(), if ok { Phase::Pinning } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Pinning));
                 let mut l = at();
                 l.pin_failed();
-                assert_eq!(l.phase(), if p == Phase::Pinning { Phase::Acquired } else { p });
+                assert_eq!(l.phase(), moved(p == Phase::Pinning, Phase::Acquired));
                 let mut l = at();
                 let ok = p == Phase::Pinning;
                 assert_eq!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok(), ok);
-                assert_eq!(l.phase(), if ok { Phase::Pinned } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Pinned));
 
                 // get_pages: reads the table, binds or rejects, only Pinned.
                 let l = at();
@@ -680,24 +682,24 @@ mod lifecycle_tests {
                 assert_eq!(l.pinned_table(), if ok { Ok(&TABLE) } else { Err(refusal) });
                 let mut l = at();
                 assert_eq!(l.bind(CTX), if ok { Ok(()) } else { Err(refusal) });
-                assert_eq!(l.phase(), if ok { Phase::Bound } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Bound));
                 let mut l = at();
                 l.reject();
-                assert_eq!(l.phase(), if ok { Phase::Unusable } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Unusable));
 
                 // dma_map: only once bound.
                 let mut l = at();
                 let ok = p == Phase::Bound;
                 assert_eq!(l.start_map(), if ok { Ok(&TABLE) } else { Err(refusal) });
-                assert_eq!(l.phase(), if ok { Phase::Mapping } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Mapping));
                 let mut l = at();
                 l.map_failed();
-                assert_eq!(l.phase(), if p == Phase::Mapping { Phase::Bound } else { p });
+                assert_eq!(l.phase(), moved(p == Phase::Mapping, Phase::Bound));
                 let mut l = at();
                 let ok = p == Phase::Mapping;
                 let r = l.map_succeeded(MAP + 1);
                 assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
-                assert_eq!(l.phase(), if ok { Phase::Mapped } else { p });
+                assert_eq!(l.phase(), moved(ok, Phase::Mapped));
 
                 // dma_unmap and put_pages: hand the map back once, never
                 // unpin.
@@ -707,7 +709,7 @@ mod lifecycle_tests {
                 assert_eq!(l.unmap(), if mapped { Some(MAP) } else { None });
                 assert_eq!(l.unmap(), None);
                 assert_eq!(l.put_pages(), None);
-                assert_eq!(l.phase(), if mapped { Phase::Bound } else { p });
+                assert_eq!(l.phase(), moved(mapped, Phase::Bound));
                 let mut l = at();
                 assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
                 assert_eq!(l.revoked_map(), None);
@@ -723,10 +725,16 @@ mod lifecycle_tests {
                     Phase::Bound | Phase::Mapping | Phase::Mapped => {
                         (Invalidate::NotifyCore(CTX), Some(TABLE), Phase::Revoked)
                     }
-                    Phase::Stranded => (Invalidate::Reaped { orphaned: false }, None, Phase::Released),
-                    Phase::Orphaned => {
-                        (Invalidate::Reaped { orphaned: true }, Some(TABLE), Phase::Released)
-                    }
+                    Phase::Stranded => (
+                        Invalidate::Reaped { orphaned: false },
+                        None,
+                        Phase::Released,
+                    ),
+                    Phase::Orphaned => (
+                        Invalidate::Reaped { orphaned: true },
+                        Some(TABLE),
+                        Phase::Released,
+                    ),
                     _ => (Invalidate::Quiet, None, p),
                 };
                 let before = drops();

@@ -270,6 +270,16 @@ fn main() {
                 Err(e) => {
                     failed += 1;
                     println!("E2E FAIL {}/{}: {e}", mode.name(), s.name);
+                    if e.starts_with("DEADLOCK") {
+                        // Threads are stuck in the kernel holding the GPU
+                        // driver's lock: nothing else can run. Report and go.
+                        println!("E2E-SUMMARY: {passed} passed, {failed} failed");
+                        use std::io::Write;
+                        let _ = std::io::stdout().flush();
+                        // SAFETY: leaving without unwinding; stuck threads
+                        // cannot be joined.
+                        unsafe { libc::_exit(1) };
+                    }
                     // Start the next scenario clean: closing the core's file
                     // deregisters whatever this one left behind.
                     match Core::open() {

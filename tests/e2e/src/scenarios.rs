@@ -1283,9 +1283,11 @@ fn provider_failures(ctx: &mut Ctx) -> Result<String, String> {
     };
     let mut seen = Vec::new();
     // (function, injected errno, what user space must see from our module)
-    let cases: [(&str, i32, i32); 4] = [
+    let cases: [(&str, i32, i32); 5] = [
         (pin_fn, libc::ENOMEM, libc::ENOMEM),
         (pin_fn, libc::EINVAL, libc::EFAULT),
+        // The persistent API refused (MIG, vGPU): "Operation not supported".
+        (pin_fn, 524, libc::EOPNOTSUPP),
         ("dma_map_pages", 524, libc::EOPNOTSUPP),
         ("dma_map_pages", libc::ENOMEM, libc::ENOMEM),
     ];
@@ -1301,7 +1303,7 @@ fn provider_failures(ctx: &mut Ctx) -> Result<String, String> {
         module::inject(func, 1, inj)?;
         let r = ctx.core.reg(a.va, M, flags);
         module::inject(func, 0, inj)?;
-        if ctx.mode.invalidating() && func == "get_pages" && inj == libc::EINVAL {
+        if ctx.mode.invalidating() && func == "get_pages" && (inj == libc::EINVAL || inj == 524) {
             // nv_mem declines what its provider calls foreign; the core then
             // asks nv_mem_nc, whose persistent pin succeeds.
             let h = r.map_err(|e| format!("fallback to nv_mem_nc: {}", errno_name(e)))?;

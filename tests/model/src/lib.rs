@@ -127,20 +127,30 @@ mod lifecycle_tests {
     #[derive(Clone, Copy, Debug)]
     enum Op {
         /// `acquire`: `start_pin`, then the provider is called.
-        Acquire { ok: bool },
+        Acquire {
+            ok: bool,
+        },
         /// The provider's pin returns.
         PinReturns,
         /// `get_pages` accepts (`good`) or rejects the table.
-        GetPages { good: bool },
+        GetPages {
+            good: bool,
+        },
         /// `dma_map` starts mapping.
         DmaMap,
         /// The mapping ends.
-        MapReturns { ok: bool },
+        MapReturns {
+            ok: bool,
+        },
         Unmap,
         PutPages,
-        Release { foreign: bool },
+        Release {
+            foreign: bool,
+        },
         /// `nvidia_p2p_put_pages` returns.
-        UnpinReturns { ok: bool },
+        UnpinReturns {
+            ok: bool,
+        },
         /// The GPU driver frees the memory: the free callback.
         Callback,
         /// The core's invalidate returned to the callback.
@@ -356,10 +366,7 @@ mod lifecycle_tests {
                     c => self.call = c,
                 },
                 Op::Callback if self.in_core.is_none() && !self.persistent => {
-                    let Some((&id, rec)) = self
-                        .pins
-                        .iter_mut()
-                        .find(|(_, r)| r.linked && !r.fired)
+                    let Some((&id, rec)) = self.pins.iter_mut().find(|(_, r)| r.linked && !r.fired)
                     else {
                         return;
                     };
@@ -433,7 +440,10 @@ mod lifecycle_tests {
             assert!(self.call.is_none() && self.in_core.is_none());
             assert_eq!(self.lc.phase(), Phase::Released);
             assert!(!self.lc.callback_armed());
-            assert_eq!(self.maps_made, self.maps_back, "a map was never handed back");
+            assert_eq!(
+                self.maps_made, self.maps_back,
+                "a map was never handed back"
+            );
             let dropped = self.dropped.borrow();
             for (id, r) in &self.pins {
                 let drops = dropped.iter().filter(|&&p| p == *id).count();
@@ -492,14 +502,72 @@ mod lifecycle_tests {
         let lives: &[&[Op]] = &[
             &[Acquire { ok: true }, Callback, PinReturns],
             &[Acquire { ok: true }, PinReturns, Callback],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: false }, Callback],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, Callback, MapReturns { ok: true }, CallbackLeaves],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, MapReturns { ok: true }, Callback, Unmap, CallbackLeaves],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, Callback, UnpinReturns { ok: true }],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, Callback, UnpinReturns { ok: false }],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, Release { foreign: false }, UnpinReturns { ok: false }, Callback],
-            &[Acquire { ok: true }, PinReturns, GetPages { good: true }, DmaMap, MapReturns { ok: true }, Release { foreign: true }, Callback],
-            &[Acquire { ok: false }, PinReturns, Acquire { ok: true }, PinReturns, Release { foreign: false }, UnpinReturns { ok: true }],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: false },
+                Callback,
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                DmaMap,
+                Callback,
+                MapReturns { ok: true },
+                CallbackLeaves,
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                DmaMap,
+                MapReturns { ok: true },
+                Callback,
+                Unmap,
+                CallbackLeaves,
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                Release { foreign: false },
+                Callback,
+                UnpinReturns { ok: true },
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                Release { foreign: false },
+                Callback,
+                UnpinReturns { ok: false },
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                Release { foreign: false },
+                UnpinReturns { ok: false },
+                Callback,
+            ],
+            &[
+                Acquire { ok: true },
+                PinReturns,
+                GetPages { good: true },
+                DmaMap,
+                MapReturns { ok: true },
+                Release { foreign: true },
+                Callback,
+            ],
+            &[
+                Acquire { ok: false },
+                PinReturns,
+                Acquire { ok: true },
+                PinReturns,
+                Release { foreign: false },
+                UnpinReturns { ok: true },
+            ],
         ];
         for persistent in [false, true] {
             for life in lives {

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! Exhaustive interleavings (loom) of one registration's life against the GPU
-//! driver's free callback.
+//! Interleavings (loom, bounded by `PREEMPTIONS` preemptions each) of one
+//! registration's life against the GPU driver's free callback and the
+//! module's queue that drops the callback's reference.
 //!
 //! The decisions are the module's own `lifecycle.rs`; around it, this file
 //! models what `registration.rs` does with them (lock, decide, drop the lock,
-//! call the provider) and what the real components guarantee
-//! (`/work/shared/reference/real-driver-behaviour.md`):
+//! call the provider; `release` waits while the callback is inside the core,
+//! the callback waits for a `dma_map` in flight) and what the real
+//! components guarantee (real-driver-behaviour.md):
 //! - nvidia.ko takes its RM API lock in `get_pages`, `put_pages` and
 //!   `dma_map` (persistent pins), and holds it across the free callback; it
 //!   frees the page table right after the callback returns (facts 1-2).
@@ -150,7 +152,6 @@ struct Provider {
     /// registration, consumed once, by the callback or by a reclaim after a
     /// successful unpin (`ArmedCallback::reclaim`, `Arc::from_raw`).
     raw: UnsafeCell<Option<Arc<Reg>>>,
-    counters: std::sync::Arc<Counters>,
 }
 
 // SAFETY: the cells are loom's, which check that every access is ordered
@@ -311,6 +312,8 @@ impl Resources for Model {
 struct Inner {
     lc: Lifecycle<Model>,
     in_core: Option<usize>,
+    /// A `dma_map` reads the table; the callback waits for it.
+    mapper: bool,
 }
 
 /// `registration.rs`.
@@ -362,11 +365,17 @@ impl Reg {
     }
 
     fn dma_map(&self) -> bool {
-        if self.inner.lock().unwrap().lc.start_map().is_err() {
-            return false;
+        {
+            let mut g = self.inner.lock().unwrap();
+            if g.lc.start_map().is_err() {
+                return false;
+            }
+            g.mapper = true;
         }
         let map = self.map_pages();
         let mut g = self.inner.lock().unwrap();
+        g.mapper = false;
+        self.core_left.notify_all();
         if let Err(map) = g.lc.map_succeeded(map) {
             drop(g);
             drop(map);
@@ -379,8 +388,8 @@ impl Reg {
         let p = &self.provider;
         let by_provider = self.sc.persistent;
         // nvidia_p2p_dma_map_pages takes the RM lock; `bar_map` does not.
-        let rm = (by_provider || self.sc.mutant == Mutant::RmLockInDmaMap)
-            .then(|| p.rm.lock().unwrap());
+        let rm =
+            (by_provider || self.sc.mutant == Mutant::RmLockInDmaMap).then(|| p.rm.lock().unwrap());
         p.read_table("dma_map");
         drop(rm);
         self.counters.maps_made.fetch_add(1, Relaxed);
@@ -440,10 +449,14 @@ impl Reg {
     fn revoke(&self, task: usize) {
         let action = {
             let mut g = self.inner.lock().unwrap();
-            let (action, table) = g.lc.invalidate();
-            drop(table);
+            // The table comes back only to be forgotten: the provider frees
+            // it once the callback returns.
+            let (action, _table) = g.lc.invalidate();
             if let Invalidate::NotifyCore(_) = action {
                 g.in_core = Some(task);
+            }
+            while g.mapper {
+                g = self.core_left.wait(g).unwrap();
             }
             action
         };
@@ -505,7 +518,6 @@ fn model(sc: Scenario) -> usize {
             }),
             table: UnsafeCell::new(false),
             raw: UnsafeCell::new(None),
-            counters: std::sync::Arc::clone(&counters),
         }));
         let core = Kept::new(Arc::new(Core {
             legacy: sc.legacy_core,
@@ -520,6 +532,7 @@ fn model(sc: Scenario) -> usize {
             inner: Mutex::new(Inner {
                 lc: Lifecycle::new(),
                 in_core: None,
+                mapper: false,
             }),
             core_left: Condvar::new(),
             provider: Arc::clone(&provider),
