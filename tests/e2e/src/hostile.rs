@@ -385,7 +385,7 @@ pub fn free_races_registration(ctx: &mut Ctx) -> Result<String, String> {
             Some(Knob::set(
                 format!("{CORE_DBG}/fail_after_map"),
                 "1 -12",
-                "0 0",
+                "0 -12",
             )?)
         } else {
             None

@@ -95,6 +95,8 @@ pub struct Ctx {
     pub gpu: Option<Gpu>,
     pub core: Core,
     pub seed: u64,
+    /// The emulated driver's count of stale unpins when the scenario began.
+    pub stale_puts: u64,
     emu_args: Vec<String>,
 }
 
@@ -241,6 +243,7 @@ fn main() {
         gpu: Some(gpu),
         core,
         seed,
+        stale_puts: 0,
         emu_args: Vec::new(),
     };
     for mode in modes {
@@ -259,6 +262,10 @@ fn main() {
             if !(s.applies)(&ctx) {
                 continue;
             }
+            ctx.stale_puts = ctx.gpu.as_ref().map_or(0, |g| g.info().stale_puts);
+            // A mark in the kernel log, so that a report there can be told
+            // to its scenario.
+            let _ = std::fs::write("/dev/kmsg", format!("E2E start {}/{}\n", mode.name(), s.name));
             let t = Instant::now();
             let r = (s.run)(&mut ctx).and_then(|detail| scenarios::quiescent(&ctx).map(|_| detail));
             let ms = t.elapsed().as_millis();

@@ -284,9 +284,9 @@ pub fn quiescent(ctx: &Ctx) -> Result<(), String> {
             gi.live_allocs
         );
         ensure!(
-            gi.stale_puts == 0,
-            "HARNESS FAILURE: {} stale persistent unpins",
-            gi.stale_puts
+            gi.stale_puts == ctx.stale_puts,
+            "HARNESS FAILURE: {} uses of page tables the GPU driver had freed",
+            gi.stale_puts - ctx.stale_puts
         );
     }
     if !ctx.opts.reference && module::loaded("nvidia_peermem") {
