@@ -7,9 +7,11 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/device.h>
+#include <linux/iommu.h>
 #include <linux/dynamic_debug.h>
 #include <linux/dma-mapping.h>
 #include <linux/pci.h>
+#include <linux/sched.h>
 #include <linux/stddef.h>
 #include <linux/workqueue.h>
 #include "nv-p2p.h"
@@ -22,6 +24,33 @@ int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
 struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
+
+/* One bridge above a device, for the path classification in Rust. */
+struct peermem_hop {
+	u32 id;		/* domain << 16 | bus << 8 | devfn */
+	u8 kind;	/* PEERMEM_HOP_* */
+	u8 acs_redirect;
+	u16 pad;
+};
+
+#define PEERMEM_HOP_BRIDGE	0
+#define PEERMEM_HOP_ROOT_PORT	1
+#define PEERMEM_HOP_SWITCH_UP	2
+#define PEERMEM_HOP_SWITCH_DOWN	3
+
+struct peermem_chain {
+	u32 id;		/* the device itself */
+	u32 root;	/* domain << 8 | root bus number: its host bridge */
+	s32 numa;	/* NUMA node, or -1 */
+	u32 nhops;
+	struct peermem_hop hops[16];	/* nearest bridge first */
+};
+
+int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
+int peermem_chain_of(struct device *dev, struct peermem_chain *out);
+int peermem_iommu_kind(struct device *dev);
+u32 peermem_dev_id(struct device *dev);
+void peermem_current_comm(char *buf);
 
 /* The device's DMA segment limit (static inline in dma-mapping.h). */
 unsigned int peermem_dma_max_seg_size(struct device *dev)
@@ -80,6 +109,122 @@ void peermem_wq_destroy(struct workqueue_struct *wq)
 	destroy_workqueue(wq);
 }
 
+static u32 peermem_pci_id(struct pci_dev *pdev)
+{
+	return (u32)pci_domain_nr(pdev->bus) << 16 | (u32)pdev->bus->number << 8 | pdev->devfn;
+}
+
+/* Whether @bridge redirects peer requests or completions upstream (ACS). */
+static bool peermem_acs_redirect(struct pci_dev *bridge)
+{
+	int pos = pci_find_ext_capability(bridge, PCI_EXT_CAP_ID_ACS);
+	u16 ctrl = 0;
+
+	if (!pos)
+		return false;
+	pci_read_config_word(bridge, pos + PCI_ACS_CTRL, &ctrl);
+	return ctrl & (PCI_ACS_RR | PCI_ACS_CR);
+}
+
+static void peermem_fill_chain(struct pci_dev *pdev, struct peermem_chain *out)
+{
+	struct pci_dev *up = pci_upstream_bridge(pdev);
+	struct pci_bus *root = pdev->bus;
+
+	while (root->parent)
+		root = root->parent;
+	out->id = peermem_pci_id(pdev);
+	out->root = (u32)pci_domain_nr(root) << 8 | root->number;
+	out->numa = dev_to_node(&pdev->dev);
+	out->nhops = 0;
+	for (; up && out->nhops < ARRAY_SIZE(out->hops); up = pci_upstream_bridge(up)) {
+		struct peermem_hop *h = &out->hops[out->nhops++];
+
+		h->id = peermem_pci_id(up);
+		h->acs_redirect = peermem_acs_redirect(up);
+		switch (pci_is_pcie(up) ? pci_pcie_type(up) : -1) {
+		case PCI_EXP_TYPE_ROOT_PORT:
+			h->kind = PEERMEM_HOP_ROOT_PORT;
+			break;
+		case PCI_EXP_TYPE_UPSTREAM:
+			h->kind = PEERMEM_HOP_SWITCH_UP;
+			break;
+		case PCI_EXP_TYPE_DOWNSTREAM:
+			h->kind = PEERMEM_HOP_SWITCH_DOWN;
+			break;
+		default:
+			h->kind = PEERMEM_HOP_BRIDGE;
+		}
+	}
+}
+
+/*
+ * The PCI device one of whose memory BARs holds bus address @phys (a GPU's
+ * BAR1 page), its upstream path, and the BAR's range. 0 or -ENODEV.
+ */
+int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end)
+{
+	struct pci_dev *pdev = NULL;
+	int i;
+
+	for_each_pci_dev(pdev) {
+		for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+			struct resource *r = &pdev->resource[i];
+
+			if (!(r->flags & IORESOURCE_MEM) || !r->start)
+				continue;
+			if (phys < r->start || phys > r->end)
+				continue;
+			*bar_start = r->start;
+			*bar_end = r->end;
+			peermem_fill_chain(pdev, out);
+			pci_dev_put(pdev);
+			return 0;
+		}
+	}
+	return -ENODEV;
+}
+
+/* The upstream path of the PCI device behind @dev. 0 or -ENODEV. */
+int peermem_chain_of(struct device *dev, struct peermem_chain *out)
+{
+	if (!dev || !dev_is_pci(dev))
+		return -ENODEV;
+	peermem_fill_chain(to_pci_dev(dev), out);
+	return 0;
+}
+
+/* The PCI address of the PCI device behind @dev (as in struct peermem_hop). */
+u32 peermem_dev_id(struct device *dev)
+{
+	return dev && dev_is_pci(dev) ? peermem_pci_id(to_pci_dev(dev)) : 0;
+}
+
+/* The calling process's name, TASK_COMM_LEN bytes, NUL-terminated. */
+void peermem_current_comm(char *buf)
+{
+	strscpy_pad(buf, current->group_leader->comm, TASK_COMM_LEN);
+}
+
+/* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */
+int peermem_iommu_kind(struct device *dev)
+{
+	struct iommu_domain *d = iommu_get_domain_for_dev(dev);
+
+	if (!d)
+		return 0;
+	switch (d->type) {
+	case IOMMU_DOMAIN_IDENTITY:
+		return 1;
+	case IOMMU_DOMAIN_DMA:
+		return 2;
+	case IOMMU_DOMAIN_DMA_FQ:
+		return 3;
+	default:
+		return 4;
+	}
+}
+
 /*
  * Per-registration detail goes through one dynamic-debug call site, so that
  * `echo 'module nvidia_peermem +p' > .../dynamic_debug/control` turns it on
@@ -108,6 +253,10 @@ bool peermem_dbg(const char *msg)
 
 #define PEERMEM_LAYOUT(type, field, off) \
 	static_assert(offsetof(type, field) == (off), #type "." #field " moved")
+
+static_assert(sizeof(struct peermem_hop) == 8);
+static_assert(sizeof(struct peermem_chain) == 16 + 16 * 8);
+PEERMEM_LAYOUT(struct peermem_chain, hops, 16);
 
 static_assert(sizeof(struct peer_memory_client) == 136);
 PEERMEM_LAYOUT(struct peer_memory_client, version, 64);

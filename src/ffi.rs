@@ -63,6 +63,44 @@ extern "C" {
     pub(crate) fn peermem_wq_alloc() -> *mut workqueue_struct;
     /// Drains and frees a queue from [`peermem_wq_alloc`].
     pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
+    /// The PCI device whose memory BAR holds `phys`: its path up, and the
+    /// BAR's first and last byte. 0 or -ENODEV.
+    pub(crate) fn peermem_gpu_by_phys(
+        phys: u64,
+        out: *mut PeermemChain,
+        bar_start: *mut u64,
+        bar_end: *mut u64,
+    ) -> c_int;
+    /// The path up of the PCI device behind `dev`. 0 or -ENODEV.
+    pub(crate) fn peermem_chain_of(dev: *mut device, out: *mut PeermemChain) -> c_int;
+    /// How an IOMMU treats `dev`'s DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ,
+    /// 4 other.
+    pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
+    /// The PCI address of the PCI device behind `dev`, or 0.
+    pub(crate) fn peermem_dev_id(dev: *mut device) -> u32;
+    /// The calling process's name into a 16-byte buffer.
+    pub(crate) fn peermem_current_comm(buf: *mut c_char);
+}
+
+/// `struct peermem_hop` of the C shim.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PeermemHop {
+    pub(crate) id: u32,
+    pub(crate) kind: u8,
+    pub(crate) acs_redirect: u8,
+    pub(crate) pad: u16,
+}
+
+/// `struct peermem_chain` of the C shim.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PeermemChain {
+    pub(crate) id: u32,
+    pub(crate) root: u32,
+    pub(crate) numa: i32,
+    pub(crate) nhops: u32,
+    pub(crate) hops: [PeermemHop; 16],
 }
 
 // Compile-time layout checks: the x86_64 ABI of every struct this module
@@ -77,6 +115,8 @@ macro_rules! layout {
     };
 }
 
+layout!(PeermemHop, size 8, id @ 0, kind @ 4, acs_redirect @ 5);
+layout!(PeermemChain, size 144, id @ 0, root @ 4, numa @ 8, nhops @ 12, hops @ 16);
 layout!(peer_memory_client, size 136, name @ 0, version @ 64, acquire @ 80, get_pages @ 88,
     dma_map @ 96, dma_unmap @ 104, put_pages @ 112, get_page_size @ 120, release @ 128);
 layout!(peer_memory_client_ex, size 152, client @ 0, ex_size @ 136, flags @ 144);

@@ -18,6 +18,7 @@ use kernel::{
     prelude::*,
 };
 
+mod accounting;
 mod bar_map;
 mod client;
 mod coalesce;
@@ -26,6 +27,7 @@ mod ffi;
 mod lifecycle;
 mod liveness;
 mod p2p;
+mod path;
 mod peer_device;
 mod provider_map;
 mod range;
@@ -35,6 +37,7 @@ mod sg;
 mod stats;
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;
+mod topology;
 
 use client::{
     CoreRegistration,
@@ -59,6 +62,10 @@ module! {
         peerdirect_support: i32 {
             default: 0,
             description: "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)",
+        },
+        path_policy: i32 {
+            default: 0,
+            description: "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)",
         },
     },
 }
@@ -88,6 +95,11 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
     out
 }
 
+/// The `path_policy` parameter.
+pub(crate) fn policy_parameter() -> i32 {
+    module_parameters::path_policy.value()
+}
+
 /// This module's `struct module`.
 pub(crate) fn this_module() -> *mut bindings::module {
     kernel::module::this_module::<LocalModule>().as_ptr()
@@ -103,6 +115,9 @@ struct NvidiaPeermem {
     _clients: KVec<CoreRegistration>,
     _reaper: reaper::ReapQueue,
     _stats: Pin<KBox<File<()>>>,
+    _paths: Pin<KBox<File<()>>>,
+    _gpus: Pin<KBox<File<()>>>,
+    _processes: Pin<KBox<File<()>>>,
     _dir: Dir,
 }
 
@@ -119,7 +134,24 @@ fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f,
         "param_peerdirect_support {}",
         module_parameters::peerdirect_support.value()
+    )?;
+    writeln!(
+        f,
+        "param_path_policy {}",
+        module_parameters::path_policy.value()
     )
+}
+
+fn show_paths(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+    accounting::show_paths(f)
+}
+
+fn show_gpus(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+    accounting::show_gpus(f)
+}
+
+fn show_processes(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+    accounting::show_processes(f)
 }
 
 impl kernel::Module for NvidiaPeermem {
@@ -130,9 +162,26 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
+        let policy = policy_parameter();
+        if !(0..=5).contains(&policy) {
+            pr_err!("invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n");
+            return Err(EINVAL);
+        }
         let dir = Dir::new(c"nvidia_peermem");
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", (), &show_stats),
+            GFP_KERNEL,
+        )?;
+        let paths = KBox::pin_init(
+            dir.read_callback_file(c"paths", (), &show_paths),
+            GFP_KERNEL,
+        )?;
+        let gpus = KBox::pin_init(
+            dir.read_callback_file(c"gpus", (), &show_gpus),
+            GFP_KERNEL,
+        )?;
+        let processes = KBox::pin_init(
+            dir.read_callback_file(c"processes", (), &show_processes),
             GFP_KERNEL,
         )?;
         let reaper = reaper::ReapQueue::new()?;
@@ -164,6 +213,9 @@ impl kernel::Module for NvidiaPeermem {
             _clients: clients,
             _reaper: reaper,
             _stats: stats,
+            _paths: paths,
+            _gpus: gpus,
+            _processes: processes,
             _dir: dir,
         })
     }

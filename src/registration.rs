@@ -29,6 +29,7 @@ use kernel::{
 };
 
 use crate::{
+    accounting::Charge,
     bar_map::BarMap,
     core_link::CoreLink,
     lifecycle::{
@@ -55,6 +56,7 @@ use crate::{
     },
     reaper::Deferred,
     sg::SgTable,
+    topology::Route,
     stats::{
         fail,
         reg_dbg,
@@ -111,6 +113,9 @@ struct Inner {
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
+    /// What the registration is counted under per pair, GPU and process,
+    /// from its mapping until its pin ends.
+    charge: Option<Charge>,
 }
 
 /// One registration of a GPU range with the peer-memory core.
@@ -190,6 +195,7 @@ impl Registration {
                     pin_error: None,
                     in_core: None,
                     mapper: false,
+                    charge: None,
                 }),
                 core_left <- new_condvar!(),
                 reap <- new_work!("Registration::reap"),
@@ -329,9 +335,17 @@ impl Registration {
             ));
         };
         let table = self.start_map()?;
-        let made = self.map_pages(table, peer);
+        // SAFETY: valid until `finish_map` (see `start_map`); checked by
+        // `get_pages`.
+        let first = unsafe { table.pages() }.physical_address(0).unwrap_or(0);
+        let route = Route::of(first, &peer);
+        let persistent = self.mode == Mode::Persistent;
+        let made = route.admit().and_then(|()| {
+            self.map_pages(table, peer)
+                .inspect_err(|e| route.failed(*e, persistent))
+        });
         // SAFETY: `sg_head` is the core's table for this registration (caller).
-        let nents = unsafe { self.finish_map(made, sg_head) }?;
+        let nents = unsafe { self.finish_map(made, &route, sg_head) }?;
         STATS.registrations.add(1, Relaxed);
         STATS.sg_entries.add(u64::from(nents), Relaxed);
         reg_dbg!(
@@ -370,6 +384,7 @@ impl Registration {
     unsafe fn finish_map(
         &self,
         made: Result<DeviceMap>,
+        route: &Route,
         sg_head: *mut bindings::sg_table,
     ) -> Result<u32> {
         let mut g = self.inner.lock();
@@ -386,12 +401,16 @@ impl Registration {
             drop(g);
             // Our own mapping: undone here, the device never saw it.
             drop(map);
+            route.failed(EFAULT, false);
             return Err(fail!(
                 Cause::Revoked,
                 EFAULT,
                 "GPU memory freed while mapping"
             ));
         }
+        // Counted until the pin ends (under this lock, so that a revoke
+        // cannot end the pin in between).
+        g.charge = route.charge(self.range.len);
         Ok(g.lc.map().map_or(0, |m| {
             // SAFETY: `sg_head` is the core's table (caller).
             unsafe { m.sg().publish(sg_head) };
@@ -485,7 +504,20 @@ impl Registration {
                 Mode::Invalidating => table.put(&self.range),
             }
         };
-        let (how, token) = self.inner.lock().lc.unpinned(res.is_ok());
+        let (how, token, charge) = {
+            let mut g = self.inner.lock();
+            let (how, token) = g.lc.unpinned(res.is_ok());
+            // A stranded pin stays counted until its callback.
+            let charge = if how == Unpinned::Stranded {
+                None
+            } else {
+                g.charge.take()
+            };
+            (how, token, charge)
+        };
+        if let Some(c) = charge {
+            c.release();
+        }
         let err = res.err().unwrap_or(EIO);
         match how {
             Unpinned::Reclaim | Unpinned::Persistent => {
@@ -534,7 +566,7 @@ impl Revocable for Registration {
     /// undo our own mapping.
     fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
-        let (action, had_pin) = {
+        let (action, had_pin, charge) = {
             let mut g = self.inner.lock();
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
@@ -548,10 +580,14 @@ impl Revocable for Registration {
             while g.mapper {
                 self.core_left.wait(&mut g);
             }
-            (action, table.is_some())
+            let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
+            (action, ended, if ended { g.charge.take() } else { None })
         };
-        if had_pin || matches!(action, Invalidate::Reaped { .. }) {
+        if had_pin {
             STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+        }
+        if let Some(c) = charge {
+            c.release();
         }
         reg_dbg!(
             "free callback for {:#x}+{:#x}: {action:?}",

@@ -33,9 +33,11 @@ pub(crate) enum Cause {
     Unpin,
     /// The core called out of order.
     Order,
+    /// The path policy refused the GPU/peer pair.
+    PathPolicy,
 }
 
-const CAUSES: usize = 10;
+const CAUSES: usize = 11;
 
 impl Cause {
     fn index(self) -> usize {
@@ -54,6 +56,7 @@ impl Cause {
             Cause::Revoked => "revoked",
             Cause::Unpin => "unpin",
             Cause::Order => "order",
+            Cause::PathPolicy => "path_policy",
         }
     }
 
@@ -68,6 +71,7 @@ impl Cause {
         Cause::Revoked,
         Cause::Unpin,
         Cause::Order,
+        Cause::PathPolicy,
     ];
 }
 

@@ -748,6 +748,25 @@ pub fn topology_gate(ctx: &mut Ctx) -> Result<String, String> {
         "the gate refused {} times",
         gi1.topo_refusals - gi0.topo_refusals
     );
+    if ours(ctx) {
+        // The refusal is explained once per pair, and counted on the pair.
+        let log = std::process::Command::new("dmesg")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        ensure!(
+            log.lines().any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(&hca)),
+            "the topology refusal was not explained in the log"
+        );
+        let paths = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
+            .map_err(|e| format!("paths: {e}"))?;
+        ensure!(
+            paths
+                .lines()
+                .any(|l| l.contains(&format!("hca={hca}")) && l.contains("EOPNOTSUPP:")),
+            "the refusal is not counted on the pair: {paths}"
+        );
+    }
     let mut detail = format!("persistent: {}", errno_name(persistent));
     if ctx.mode.invalidating() && ours(ctx) {
         let h = ctx

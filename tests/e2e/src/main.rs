@@ -13,6 +13,7 @@ mod demo;
 mod dev;
 mod hostile;
 mod module;
+mod paths;
 mod scenarios;
 mod statcheck;
 mod stress;
@@ -163,6 +164,11 @@ fn main() {
             let a: Vec<String> = std::env::args().skip(2).collect();
             std::process::exit(statcheck::main(&a));
         }
+        Some("paths") => {
+            // paths <expect-file> [--policy N]
+            let a: Vec<String> = std::env::args().skip(2).collect();
+            std::process::exit(paths::run(&a));
+        }
         Some("bench") => {
             // bench <impl> <cost> <live counts, comma-separated>
             let a: Vec<String> = std::env::args().skip(2).collect();
@@ -265,7 +271,10 @@ fn main() {
             ctx.stale_puts = ctx.gpu.as_ref().map_or(0, |g| g.info().stale_puts);
             // A mark in the kernel log, so that a report there can be told
             // to its scenario.
-            let _ = std::fs::write("/dev/kmsg", format!("E2E start {}/{}\n", mode.name(), s.name));
+            let _ = std::fs::write(
+                "/dev/kmsg",
+                format!("E2E start {}/{}\n", mode.name(), s.name),
+            );
             let t = Instant::now();
             let r = (s.run)(&mut ctx).and_then(|detail| scenarios::quiescent(&ctx).map(|_| detail));
             let ms = t.elapsed().as_millis();

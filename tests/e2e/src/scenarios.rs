@@ -303,6 +303,17 @@ pub fn quiescent(ctx: &Ctx) -> Result<(), String> {
             s.get("orphaned_pins") == Some(&0) && s.get("stranded_pins") == Some(&0),
             "pins left to free callbacks: {s:?}"
         );
+        // Per GPU and per process, exactly nothing is left either.
+        let gpus = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+            .map_err(|e| format!("gpus: {e}"))?;
+        ensure!(
+            gpus.lines()
+                .all(|l| l.contains(" live=0 ") && l.contains(" pinned_bytes=0 ")),
+            "per-GPU accounting left: {gpus}"
+        );
+        let procs = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/processes")
+            .map_err(|e| format!("processes: {e}"))?;
+        ensure!(procs.is_empty(), "per-process accounting left: {procs}");
     }
     Ok(())
 }

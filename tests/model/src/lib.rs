@@ -9,6 +9,8 @@
 pub mod coalesce;
 #[path = "../../../src/lifecycle.rs"]
 pub mod lifecycle;
+#[path = "../../../src/path.rs"]
+pub mod path;
 #[path = "../../../src/range.rs"]
 pub mod range;
 
@@ -578,5 +580,118 @@ mod lifecycle_tests {
                 s.finish();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::path::*;
+
+    fn hop(id: u32, kind: HopKind) -> Hop {
+        Hop {
+            id,
+            kind,
+            acs_redirect: false,
+        }
+    }
+
+    const RP1: u32 = 0x08;
+    const RP2: u32 = 0x10;
+    const USP: u32 = 0x100;
+    const DSP1: u32 = 0x200;
+    const DSP2: u32 = 0x208;
+
+    fn chain(hops: &[Hop]) -> Chain<'_> {
+        Chain {
+            root: 0,
+            numa: 0,
+            hops,
+        }
+    }
+
+    #[test]
+    fn one_switch_is_pix() {
+        let a = [
+            hop(DSP1, HopKind::SwitchDown),
+            hop(USP, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        let b = [
+            hop(DSP2, HopKind::SwitchDown),
+            hop(USP, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        let p = classify(&chain(&a), &chain(&b));
+        assert_eq!(p.class, Class::Pix);
+        assert!(!p.acs_redirect);
+    }
+
+    #[test]
+    fn nested_switches_are_pxb_and_acs_below_counts() {
+        // a sits behind a second switch under DSP1; b on DSP2.
+        let mut a = [
+            hop(0x300, HopKind::SwitchDown),
+            hop(0x301, HopKind::SwitchUp),
+            hop(DSP1, HopKind::SwitchDown),
+            hop(USP, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        a[2].acs_redirect = true;
+        let b = [
+            hop(DSP2, HopKind::SwitchDown),
+            hop(USP, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        let p = classify(&chain(&a), &chain(&b));
+        assert_eq!(p.class, Class::Pxb);
+        assert!(p.acs_redirect);
+    }
+
+    #[test]
+    fn root_ports_and_root_bus_are_phb() {
+        let a = [hop(RP1, HopKind::RootPort)];
+        let b = [hop(RP2, HopKind::RootPort)];
+        assert_eq!(classify(&chain(&a), &chain(&b)).class, Class::Phb);
+        assert_eq!(classify(&chain(&[]), &chain(&[])).class, Class::Phb);
+        assert_eq!(classify(&chain(&a), &chain(&[])).class, Class::Phb);
+    }
+
+    #[test]
+    fn host_bridges_and_numa_nodes() {
+        let a = [hop(RP1, HopKind::RootPort)];
+        let b = [hop(0x2000_08, HopKind::RootPort)];
+        let ca = Chain {
+            root: 0,
+            numa: 0,
+            hops: &a,
+        };
+        let same_node = Chain {
+            root: 0x20,
+            numa: 0,
+            hops: &b,
+        };
+        let other_node = Chain {
+            root: 0x40,
+            numa: 1,
+            hops: &b,
+        };
+        let unknown = Chain {
+            root: 0x40,
+            numa: -1,
+            hops: &b,
+        };
+        assert_eq!(classify(&ca, &same_node).class, Class::Node);
+        assert_eq!(classify(&ca, &other_node).class, Class::Sys);
+        assert_eq!(classify(&ca, &unknown).class, Class::Node);
+    }
+
+    #[test]
+    fn classes_order_and_levels() {
+        assert!(Class::Pix < Class::Pxb && Class::Phb < Class::Sys);
+        for l in 1..=5 {
+            assert_eq!(Class::from_level(l).unwrap() as u32, l);
+        }
+        assert!(Class::from_level(0).is_none() && Class::from_level(6).is_none());
+        assert!(Class::Phb.through_root_complex() && !Class::Pxb.through_root_complex());
     }
 }

@@ -7,16 +7,19 @@
 
 pub mod args;
 pub mod detect;
+pub mod diag;
 pub mod json;
+pub mod prom;
 pub mod render;
 pub mod sysfs;
+pub mod views;
 
 use std::{
     io::{self, Write},
     time::Instant,
 };
 
-use args::{Cmd, Opts};
+use args::{Cmd, Opts, View};
 use render::Rates;
 use sysfs::{Snapshot, Sys};
 
@@ -44,6 +47,16 @@ pub fn run<I: IntoIterator<Item = String>>(
             return EXIT_USAGE;
         }
     };
+    if opts.prometheus {
+        // Written for a textfile collector: "not loaded" is a value
+        // (nvidia_peermem_up 0), not a failure that would keep a stale file.
+        let snap = Snapshot::read(&Sys::new(&opts.root));
+        return finish(
+            out.write_all(prom::prometheus(&snap).as_bytes())
+                .and_then(|()| out.flush()),
+            err,
+        );
+    }
     match frames(&opts, out, tty) {
         Ok(true) => EXIT_OK,
         Ok(false) => {
@@ -87,7 +100,13 @@ fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
             .as_ref()
             .map(|(p, t)| Rates::between(p, &snap, now.duration_since(*t).as_secs_f64()));
         if o.json {
-            writeln!(out, "{}", render::json(&snap, rates.as_ref()))?;
+            let v = match o.view {
+                View::Overview => render::json(&snap, rates.as_ref()),
+                View::Paths => views::paths_json(&snap),
+                View::ByGpu => views::by_gpu_json(&snap),
+                View::ByProcess => views::by_process_json(&snap),
+            };
+            writeln!(out, "{v}")?;
         } else {
             if o.watch.is_some() {
                 if tty {
@@ -100,7 +119,13 @@ fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
                     now.duration_since(start).as_secs_f64()
                 )?;
             }
-            write!(out, "{}", render::table(&snap, o.all, rates.as_ref()))?;
+            let text = match o.view {
+                View::Overview => render::table(&snap, o.all, rates.as_ref()),
+                View::Paths => views::paths(&snap),
+                View::ByGpu => views::by_gpu(&snap),
+                View::ByProcess => views::by_process(&snap),
+            };
+            write!(out, "{text}")?;
             if o.watch.is_some() {
                 writeln!(out)?;
             }

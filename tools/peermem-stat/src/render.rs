@@ -10,13 +10,17 @@ use crate::{
     sysfs::{Field, Snapshot, MODULE_DIR, PEERS_DIR, STATS},
 };
 
-/// The module's counters the table explains (any other name is shown as is).
-const KNOWN: &[(&str, &str)] = &[
+/// The module's counters the table explains (any other name is shown as is),
+/// and its parameters reported as `param_*` lines (Prometheus help texts).
+pub(crate) const KNOWN: &[(&str, &str)] = &[
     (
         "live_registrations",
-        "registrations acquired, not yet released",
+        "registrations the core holds (acquired, not yet released)",
     ),
-    ("pinned_bytes", "GPU bytes pinned now"),
+    (
+        "pinned_bytes",
+        "GPU bytes pinned now (orphaned and stranded pins included)",
+    ),
     ("acquired", "ranges claimed as GPU memory"),
     ("declined", "ranges declined (not GPU memory)"),
     (
@@ -27,6 +31,19 @@ const KNOWN: &[(&str, &str)] = &[
     ("invalidations", "free callbacks from the GPU driver"),
     ("core_invalidations", "calls of the core's invalidate hook"),
     ("sg_entries", "scatterlist entries handed out"),
+    (
+        "foreign_releases",
+        "releases in another process than the pinning one",
+    ),
+    (
+        "orphaned_pins",
+        "pins released elsewhere, waiting for the GPU memory to be freed",
+    ),
+    (
+        "stranded_pins",
+        "pins whose unpin failed, waiting for the free callback",
+    ),
+    ("leaked_pins", "persistent pins whose unpin failed (lost)"),
     ("fail_bad_range", "empty or overflowing range"),
     ("fail_pin", "GPU driver refused to pin"),
     ("fail_page_table", "unknown page table version or page size"),
@@ -40,7 +57,20 @@ const KNOWN: &[(&str, &str)] = &[
     ("fail_revoked", "GPU memory freed during registration"),
     ("fail_unpin", "GPU driver failed to unpin or unmap"),
     ("fail_order", "core called out of order"),
+    (
+        "fail_path_policy",
+        "registration refused by the path policy",
+    ),
+    (
+        "param_path_policy",
+        "path policy: 0 = allow all; 1..5 = refuse paths worse than PIX, PXB, PHB, NODE, SYS",
+    ),
 ];
+
+/// The description of a known counter or `param_*` line.
+pub(crate) fn known(name: &str) -> Option<&'static str> {
+    KNOWN.iter().find(|(k, _)| *k == name).map(|(_, w)| *w)
+}
 
 /// memory_peers files shown as columns, with their headers.
 const PEER_COLUMNS: &[(&str, &str)] = &[
@@ -150,7 +180,7 @@ fn write_table(o: &mut String, s: &Snapshot, all: bool, rates: Option<&Rates>) -
                     continue;
                 }
                 let value = show(v);
-                let what = KNOWN.iter().find(|(k, _)| k == name).map_or("", |(_, w)| w);
+                let what = known(name).unwrap_or("");
                 writeln!(o, "  {name:<20} {value:>16}  {what}")?;
             }
             if hidden > 0 {

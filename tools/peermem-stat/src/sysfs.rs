@@ -10,7 +10,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::detect::{self, RULES};
+use crate::{
+    detect::{self, RULES},
+    diag::Diag,
+};
 
 pub const MODULE_DIR: &str = "/sys/module/nvidia_peermem";
 pub const DEBUGFS: &str = "/sys/kernel/debug";
@@ -48,7 +51,7 @@ impl Sys {
         self.path(abs).exists()
     }
 
-    fn read(path: &Path) -> io::Result<String> {
+    pub(crate) fn read(path: &Path) -> io::Result<String> {
         let mut buf = Vec::new();
         fs::File::open(path)?.take(MAX_FILE).read_to_end(&mut buf)?;
         Ok(String::from_utf8_lossy(&buf).into_owned())
@@ -198,6 +201,8 @@ pub struct Snapshot {
     pub peers_error: Option<String>,
     pub detection: Vec<Detection>,
     pub dmabuf: DmaBuf,
+    /// The module's path diagnostics (paths, gpus, processes).
+    pub diag: Diag,
 }
 
 impl Snapshot {
@@ -219,6 +224,7 @@ impl Snapshot {
             });
             module.parameters.sort_by(|a, b| a.0.cmp(&b.0));
         }
+        let diag = Diag::read(sys, &module, &stats);
         let (peers, peers_error) = read_peers(sys);
         let detection = detect::stacks()
             .into_iter()
@@ -237,6 +243,7 @@ impl Snapshot {
             peers_error,
             detection,
             dmabuf: read_dmabuf(sys),
+            diag,
         }
     }
 
@@ -300,6 +307,7 @@ impl Snapshot {
             &self.dmabuf.nvidia_version,
         );
         add(&mut out, OSRELEASE.to_string(), &self.dmabuf.kernel);
+        out.extend(self.diag.errors());
         out
     }
 }

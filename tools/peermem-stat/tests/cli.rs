@@ -566,3 +566,622 @@ fn parameters_from_debugfs_when_sysfs_has_none() {
         "0"
     );
 }
+
+// Path diagnostics: paths, gpus, processes.
+
+const DBG: &str = "/sys/kernel/debug/nvidia_peermem";
+
+/// Two GPUs x two HCAs, every mark, lines out of order.
+const PATHS: &str = "\
+gpu=0000:81:00.0 hca=0000:82:00.0 class=NODE acs_redirect=1 iommu=identity registrations=7 failures=- last_failure=- policy_refusals=0
+gpu=0000:00:03.0 hca=0000:82:00.0 class=SYS acs_redirect=1 iommu=dma registrations=0 failures=EREMOTEIO:4 last_failure=EREMOTEIO policy_refusals=9
+gpu=0000:00:03.0 hca=0000:00:02.0 class=PIX acs_redirect=0 iommu=none registrations=12 failures=EOPNOTSUPP:1,ENOMEM:2 last_failure=EOPNOTSUPP policy_refusals=0
+gpu=0000:81:00.0 hca=0000:00:02.0 class=unknown acs_redirect=0 iommu=dma-fq registrations=3 failures=- last_failure=- policy_refusals=0
+";
+
+const GPUS: &str = "\
+gpu=0000:81:00.0 live=1 pinned_bytes=65536 max_pinned_bytes=1048576
+gpu=0000:00:03.0 live=3 pinned_bytes=196608 max_pinned_bytes=262144
+";
+
+const PROCESSES: &str = "\
+tgid=123 comm=peermem-e2e live=2 pinned_bytes=131072
+tgid=77 comm=say\"hi\\ live=2 pinned_bytes=131072
+";
+
+/// Our module with path diagnostics and path policy 3.
+fn with_diag(name: &str) -> Tree {
+    let t = Tree::ours(name);
+    t.file(
+        &format!("{DBG}/stats"),
+        format!("{STATS}fail_path_policy 9\nparam_path_policy 3\n"),
+    )
+    .file(&format!("{DBG}/paths"), PATHS)
+    .file(&format!("{DBG}/gpus"), GPUS)
+    .file(&format!("{DBG}/processes"), PROCESSES);
+    t
+}
+
+#[test]
+fn paths_matrix_with_every_mark() {
+    let t = with_diag("paths");
+    let (code, out, err) = t.run(&["paths"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "GPU/HCA paths (/sys/kernel/debug/nvidia_peermem/paths), path policy 3 (refuse paths worse than PHB)"
+    );
+    assert_eq!(lines[1], format!("{:17}  HCA0     HCA1", ""));
+    assert_eq!(lines[2], "GPU0 0000:00:03.0  PIX      SYS+A+I");
+    assert_eq!(lines[3], "GPU1 0000:81:00.0  -+I      NODE+A");
+    assert!(out.contains("HCA Legend:\n  HCA0: 0000:00:02.0\n  HCA1: 0000:82:00.0\n"));
+    assert!(out.contains(peermem_stat::views::LEGEND), "{out}");
+    for class in ["PIX", "PXB", "PHB", "NODE", "SYS", "+A", "+I"] {
+        assert!(
+            out.lines().any(|l| l.starts_with(&format!("  {class} "))),
+            "legend of {class}"
+        );
+    }
+    // One line per pair, sorted by GPU then HCA.
+    let pairs: Vec<Vec<&str>> = out
+        .lines()
+        .skip_while(|l| *l != "Pairs")
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        pairs[0],
+        [
+            "gpu",
+            "hca",
+            "class",
+            "acs",
+            "iommu",
+            "registrations",
+            "policy_refusals",
+            "failures",
+            "last_failure"
+        ]
+    );
+    assert_eq!(
+        pairs[1..],
+        [
+            vec![
+                "0000:00:03.0",
+                "0000:00:02.0",
+                "PIX",
+                "0",
+                "none",
+                "12",
+                "0",
+                "EOPNOTSUPP:1,ENOMEM:2",
+                "EOPNOTSUPP"
+            ],
+            vec![
+                "0000:00:03.0",
+                "0000:82:00.0",
+                "SYS",
+                "1",
+                "dma",
+                "0",
+                "9",
+                "EREMOTEIO:4",
+                "EREMOTEIO"
+            ],
+            vec![
+                "0000:81:00.0",
+                "0000:00:02.0",
+                "unknown",
+                "0",
+                "dma-fq",
+                "3",
+                "0",
+                "-",
+                "-"
+            ],
+            vec![
+                "0000:81:00.0",
+                "0000:82:00.0",
+                "NODE",
+                "1",
+                "identity",
+                "7",
+                "0",
+                "-",
+                "-"
+            ],
+        ]
+    );
+
+    // A pair the module has not seen: `-`; no policy parameter: no policy.
+    let t = Tree::ours("paths-missing-pair");
+    t.file(
+        &format!("{DBG}/paths"),
+        PATHS.lines().skip(1).collect::<Vec<_>>().join("\n"),
+    );
+    let (_, out, _) = t.run(&["paths"]);
+    assert!(out.starts_with("GPU/HCA paths (/sys/kernel/debug/nvidia_peermem/paths)\n"));
+    assert!(out.contains("\nGPU1 0000:81:00.0  -+I      -\n"), "{out}");
+}
+
+#[test]
+fn absent_diagnostics_files() {
+    // An older module: stats only. Each view says so in one line.
+    let t = Tree::ours("no-diag");
+    for (args, line) in [
+        (&["paths"][..], "Paths: unavailable: no /sys/kernel/debug/nvidia_peermem/paths: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-gpu"], "GPUs: unavailable: no /sys/kernel/debug/nvidia_peermem/gpus: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-process"], "Processes with live registrations: unavailable: no /sys/kernel/debug/nvidia_peermem/processes: this nvidia_peermem has no path diagnostics\n"),
+    ] {
+        let (code, out, err) = t.run(args);
+        assert_eq!((code, out.as_str(), err.as_str()), (0, line, ""), "{args:?}");
+    }
+    // The other views are unaffected.
+    let (code, out, _) = t.run(&[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("Counters (") && !out.contains("Unreadable"));
+    assert_eq!(t.json()["stats"]["registrations"], 11);
+    // Only one file missing: the others still shown.
+    t.file(&format!("{DBG}/gpus"), GPUS);
+    assert!(t.run(&["--by-gpu"]).1.starts_with("GPUs (/sys"));
+    let (_, v) = view_json(&t, "paths");
+    assert_eq!(v["paths"], Value::Null);
+    assert!(v["paths_error"]
+        .as_str()
+        .unwrap()
+        .contains("no path diagnostics"));
+
+    // Not loaded: nothing found; debugfs not mounted: the stats' reason.
+    let none = Tree::new("no-diag-none");
+    let (code, out, _) = none.run(&["paths"]);
+    assert_eq!(code, 2);
+    assert_eq!(out, "Paths: unavailable: nvidia_peermem is not loaded\n");
+    let (code, v) = view_json(&none, "--by-process");
+    assert_eq!(code, 2);
+    assert_eq!(v["processes_error"], "nvidia_peermem is not loaded");
+    let t = with_diag("no-diag-debugfs");
+    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
+    fs::create_dir(t.at("/sys/kernel/debug")).unwrap();
+    let (code, out, _) = t.run(&["--by-gpu"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("GPUs: unavailable: debugfs is not mounted") && out.lines().count() == 1,
+        "{out}"
+    );
+
+    // Empty files: nothing recorded yet.
+    let t = Tree::ours("diag-empty");
+    for f in ["paths", "gpus", "processes"] {
+        t.file(&format!("{DBG}/{f}"), "");
+    }
+    assert!(t.run(&["paths"]).1.contains("no GPU/HCA pair recorded yet"));
+    assert!(t
+        .run(&["--by-process"])
+        .1
+        .starts_with("Processes with live registrations: none"));
+    assert_eq!(view_json(&t, "--by-gpu").1["gpus"], serde_json::json!([]));
+}
+
+/// A view's JSON: (exit status, the one object).
+fn view_json(t: &Tree, view: &str) -> (i32, Value) {
+    let (code, out, err) = t.run(&[view, "--json"]);
+    assert_eq!(out.lines().count(), 1, "one line: {out} {err}");
+    let v = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    (code, v)
+}
+
+#[test]
+fn views_as_json() {
+    let t = with_diag("diag-json");
+    let (code, v) = view_json(&t, "paths");
+    assert_eq!(code, 0);
+    assert_eq!(v["path_policy"], 3);
+    assert_eq!(v["paths_error"], Value::Null);
+    assert_eq!(v["errors"], serde_json::json!([]));
+    let p = v["paths"].as_array().unwrap();
+    assert_eq!(p.len(), 4);
+    assert_eq!(
+        p[0],
+        serde_json::json!({
+            "gpu": "0000:00:03.0", "hca": "0000:00:02.0", "class": "PIX",
+            "acs_redirect": false, "iommu": "none", "iommu_translated": false,
+            "registrations": 12, "failures": {"EOPNOTSUPP": 1, "ENOMEM": 2},
+            "last_failure": "EOPNOTSUPP", "policy_refusals": 0
+        })
+    );
+    assert_eq!(p[1]["acs_redirect"], true);
+    assert_eq!(p[1]["iommu_translated"], true);
+    assert_eq!(p[1]["policy_refusals"], 9);
+    assert_eq!(p[2]["class"], "unknown");
+    assert_eq!(p[2]["failures"], serde_json::json!({}));
+    assert_eq!(p[2]["last_failure"], Value::Null);
+
+    let (_, v) = view_json(&t, "--by-gpu");
+    assert_eq!(
+        v,
+        serde_json::json!({
+            "gpus": [
+                {"gpu": "0000:00:03.0", "live": 3, "pinned_bytes": 196608, "max_pinned_bytes": 262144},
+                {"gpu": "0000:81:00.0", "live": 1, "pinned_bytes": 65536, "max_pinned_bytes": 1048576}
+            ],
+            "gpus_error": null,
+            "errors": []
+        })
+    );
+    let (_, v) = view_json(&t, "--by-process");
+    assert_eq!(
+        v["processes"],
+        serde_json::json!([
+            {"tgid": 77, "comm": "say\"hi\\", "live": 2, "pinned_bytes": 131072},
+            {"tgid": 123, "comm": "peermem-e2e", "live": 2, "pinned_bytes": 131072}
+        ])
+    );
+    // The overview also knows the new counter and the parameter.
+    let v = t.json();
+    assert_eq!(v["stats"]["fail_path_policy"], 9);
+    assert_eq!(v["module"]["parameters"]["path_policy"], "3");
+}
+
+#[test]
+fn by_gpu_and_by_process_tables() {
+    let t = with_diag("diag-tables");
+    let (code, out, _) = t.run(&["--by-gpu"]);
+    assert_eq!(code, 0);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        out.lines().next(),
+        Some("GPUs (/sys/kernel/debug/nvidia_peermem/gpus)")
+    );
+    assert_eq!(
+        rows[1..],
+        [
+            vec!["gpu", "live", "pinned_bytes", "max_pinned_bytes"],
+            vec!["0000:00:03.0", "3", "196608", "262144"],
+            vec!["0000:81:00.0", "1", "65536", "1048576"],
+            vec!["total", "4", "262144", "-"],
+        ]
+    );
+    let (code, out, _) = t.run(&["--by-process"]);
+    assert_eq!(code, 0);
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows[1..],
+        [
+            vec!["tgid", "comm", "live", "pinned_bytes"],
+            vec!["77", "say\"hi\\", "2", "131072"],
+            vec!["123", "peermem-e2e", "2", "131072"],
+        ]
+    );
+    // The overview describes the new counter.
+    let (_, out, _) = t.run(&[]);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("fail_path_policy "))
+        .expect(&out);
+    assert!(
+        line.ends_with("registration refused by the path policy"),
+        "{line}"
+    );
+    assert!(out.contains("path_policy=3"));
+
+    // Malformed lines: listed, the rest shown.
+    t.file(
+        &format!("{DBG}/gpus"),
+        format!("{GPUS}gpu=0000:00:03.0 live=9 pinned_bytes=0 max_pinned_bytes=0\ngpu=x live=-1\n"),
+    );
+    let (_, out, _) = t.run(&["--by-gpu"]);
+    assert!(out.contains("Unreadable lines of /sys/kernel/debug/nvidia_peermem/gpus\n  line 3: gpu=0000:00:03.0 repeated\n  line 4: live: not a number"), "{out}");
+    assert!(out.contains("\n  0000:00:03.0    3 "), "{out}");
+    let (_, v) = view_json(&t, "--by-gpu");
+    assert_eq!(v["errors"].as_array().unwrap().len(), 2);
+    assert_eq!(t.json()["errors"].as_array().unwrap().len(), 2);
+
+    // --watch repeats the view.
+    let out = Command::new(BIN)
+        .args([
+            "--root",
+            t.root().to_str().unwrap(),
+            "paths",
+            "--watch",
+            "0.05",
+            "--count",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.matches("--- frame ").count(), 2);
+    assert_eq!(text.matches("HCA Legend:").count(), 2);
+}
+
+/// One sample line of the text format 0.0.4: (name, labels unescaped,
+/// value). Accepts exactly what this regex does (the test has no regex
+/// crate):
+/// `^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*"(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*")*\})? [0-9]+$`
+fn sample(line: &str) -> Option<(String, Vec<(String, String)>, u64)> {
+    fn ident(s: &str, colon: bool) -> usize {
+        s.char_indices()
+            .take_while(|&(i, c)| {
+                c == '_'
+                    || (colon && c == ':')
+                    || c.is_ascii_alphabetic()
+                    || (i > 0 && c.is_ascii_digit())
+            })
+            .count()
+    }
+    let n = ident(line, true);
+    if n == 0 {
+        return None;
+    }
+    let (name, mut rest) = line.split_at(n);
+    let mut labels = Vec::new();
+    if let Some(r) = rest.strip_prefix('{') {
+        rest = r;
+        loop {
+            let k = ident(rest, false);
+            if k == 0 {
+                return None;
+            }
+            let key = &rest[..k];
+            let mut chars = rest[k..].strip_prefix("=\"")?.chars();
+            let mut value = String::new();
+            loop {
+                match chars.next()? {
+                    '"' => break,
+                    '\n' => return None,
+                    '\\' => value.push(match chars.next()? {
+                        '\\' => '\\',
+                        '"' => '"',
+                        'n' => '\n',
+                        _ => return None,
+                    }),
+                    c => value.push(c),
+                }
+            }
+            labels.push((key.to_string(), value));
+            rest = chars.as_str();
+            if let Some(r) = rest.strip_prefix(',') {
+                rest = r;
+            } else {
+                rest = rest.strip_prefix('}')?;
+                break;
+            }
+        }
+    }
+    let v = rest.strip_prefix(' ')?;
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((name.to_string(), labels, v.parse().ok()?))
+}
+
+/// Validates a whole exposition: every line a HELP, TYPE or sample; each
+/// family's HELP then TYPE once, before its samples, which are contiguous;
+/// no repeated series. Returns the samples.
+fn exposition(text: &str) -> Vec<(String, Vec<(String, String)>, u64)> {
+    assert!(text.ends_with('\n'));
+    let mut families: Vec<String> = Vec::new();
+    let mut help: Option<String> = None;
+    let mut current: Option<(String, String)> = None;
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(r) = line.strip_prefix("# HELP ") {
+            let (name, doc) = r.split_once(' ').expect(line);
+            assert!(
+                !doc.is_empty() && !families.contains(&name.to_string()),
+                "{line}"
+            );
+            assert!(help.is_none(), "HELP without TYPE before {line}");
+            help = Some(name.to_string());
+            continue;
+        }
+        if let Some(r) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = r.split_once(' ').expect(line);
+            assert_eq!(
+                help.take().as_deref(),
+                Some(name),
+                "TYPE without HELP: {line}"
+            );
+            assert!(["counter", "gauge", "untyped"].contains(&kind), "{line}");
+            if kind == "counter" {
+                assert!(name.ends_with("_total"), "{line}");
+            }
+            families.push(name.to_string());
+            current = Some((name.to_string(), kind.to_string()));
+            continue;
+        }
+        let s = sample(line).unwrap_or_else(|| panic!("not a sample line: {line:?}"));
+        let (family, _) = current
+            .as_ref()
+            .unwrap_or_else(|| panic!("no TYPE before {line}"));
+        assert_eq!(&s.0, family, "sample outside its family: {line}");
+        assert!(help.is_none(), "{line}");
+        assert!(s.0.starts_with("nvidia_peermem_"), "{line}");
+        assert!(
+            !samples
+                .iter()
+                .any(|o: &(String, Vec<(String, String)>, u64)| o.0 == s.0 && o.1 == s.1),
+            "repeated series {line}"
+        );
+        samples.push(s);
+    }
+    assert!(help.is_none());
+    samples
+}
+
+/// The value of a series.
+fn series(
+    samples: &[(String, Vec<(String, String)>, u64)],
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<u64> {
+    samples
+        .iter()
+        .find(|(n, l, _)| {
+            n == name
+                && l.len() == labels.len()
+                && l.iter()
+                    .zip(labels)
+                    .all(|((k, v), (ek, ev))| k == ek && v == ev)
+        })
+        .map(|s| s.2)
+}
+
+#[test]
+fn prometheus_exposition() {
+    let t = with_diag("prom");
+    let (code, out, err) = t.run(&["--prometheus"]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    let s = exposition(&out);
+    let get = |n: &str, l: &[(&str, &str)]| {
+        series(&s, n, l).unwrap_or_else(|| panic!("{n} {l:?}:\n{out}"))
+    };
+    assert_eq!(get("nvidia_peermem_up", &[]), 1);
+    assert_eq!(get("nvidia_peermem_registrations_total", &[]), 11);
+    assert_eq!(get("nvidia_peermem_live_registrations", &[]), 3);
+    assert_eq!(get("nvidia_peermem_pinned_bytes", &[]), 196608);
+    assert_eq!(
+        get("nvidia_peermem_failures_total", &[("cause", "dma_map")]),
+        5
+    );
+    assert_eq!(
+        get("nvidia_peermem_failures_total", &[("cause", "path_policy")]),
+        9
+    );
+    assert_eq!(get("nvidia_peermem_failures_total", &[("cause", "pin")]), 0);
+    assert_eq!(get("nvidia_peermem_param_path_policy", &[]), 3);
+    assert_eq!(
+        get("nvidia_peermem_peer_live_mrs", &[("client", "nv_mem")]),
+        3
+    );
+    let pair = [("gpu", "0000:00:03.0"), ("hca", "0000:82:00.0")];
+    assert_eq!(
+        get(
+            "nvidia_peermem_path_registrations_total",
+            &[pair[0], pair[1], ("class", "SYS")]
+        ),
+        0
+    );
+    assert_eq!(
+        get(
+            "nvidia_peermem_path_policy_refusals_total",
+            &[pair[0], pair[1], ("class", "SYS")]
+        ),
+        9
+    );
+    assert_eq!(
+        get(
+            "nvidia_peermem_path_failures_total",
+            &[pair[0], pair[1], ("errno", "EREMOTEIO")]
+        ),
+        4
+    );
+    assert_eq!(
+        get(
+            "nvidia_peermem_path_failures_total",
+            &[
+                ("gpu", "0000:00:03.0"),
+                ("hca", "0000:00:02.0"),
+                ("errno", "ENOMEM")
+            ]
+        ),
+        2
+    );
+    assert_eq!(
+        get(
+            "nvidia_peermem_path_info",
+            &[
+                pair[0],
+                pair[1],
+                ("class", "SYS"),
+                ("acs_redirect", "1"),
+                ("iommu", "dma")
+            ]
+        ),
+        1
+    );
+    assert_eq!(
+        s.iter()
+            .filter(|x| x.0 == "nvidia_peermem_path_info")
+            .count(),
+        4
+    );
+    let gpu = [("gpu", "0000:81:00.0")];
+    assert_eq!(get("nvidia_peermem_gpu_pinned_bytes", &gpu), 65536);
+    assert_eq!(get("nvidia_peermem_gpu_pinned_bytes_max", &gpu), 1048576);
+    assert_eq!(get("nvidia_peermem_gpu_live_registrations", &gpu), 1);
+    // The quote and the backslash of a comm, escaped and read back.
+    let who = [("tgid", "77"), ("comm", "say\"hi\\")];
+    assert_eq!(get("nvidia_peermem_process_pinned_bytes", &who), 131072);
+    assert_eq!(get("nvidia_peermem_process_live_registrations", &who), 2);
+    assert!(
+        out.contains("{tgid=\"77\",comm=\"say\\\"hi\\\\\"} 2\n"),
+        "{out}"
+    );
+    assert_eq!(get("nvidia_peermem_read_errors", &[]), 0);
+
+    // Older module: no path families, the files marked unreadable.
+    let t = Tree::ours("prom-old");
+    let (code, out, _) = t.run(&["--prometheus"]);
+    assert_eq!(code, 0);
+    let s = exposition(&out);
+    assert_eq!(series(&s, "nvidia_peermem_up", &[]), Some(1));
+    assert_eq!(
+        series(&s, "nvidia_peermem_debugfs_readable", &[("file", "paths")]),
+        Some(0)
+    );
+    assert_eq!(
+        series(&s, "nvidia_peermem_debugfs_readable", &[("file", "stats")]),
+        Some(1)
+    );
+    assert!(!out.contains("nvidia_peermem_path_") && !out.contains("nvidia_peermem_gpu_"));
+
+    // Nothing loaded: still an exposition, up 0, exit 0 (a cron job keeps
+    // replacing the file).
+    let none = Tree::new("prom-none");
+    let out = Command::new(BIN)
+        .args(["--root", none.root().to_str().unwrap(), "--prometheus"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        series(&exposition(&text), "nvidia_peermem_up", &[]),
+        Some(0)
+    );
+}
+
+#[test]
+fn prometheus_validator_rejects_bad_lines() {
+    for bad in [
+        "1x 1",
+        "a{b=\"c} 1",
+        "a{b=\"c\\x\"} 1",
+        "a{=\"c\"} 1",
+        "a{b=\"c\"} x",
+        "a{b=\"c\"}  1",
+        "a{b=\"c\",} 1",
+        "a 1 2",
+        "a",
+    ] {
+        assert!(sample(bad).is_none(), "{bad}");
+    }
+    assert_eq!(
+        sample("a_b:c{k=\"x\\\"y\\\\z\\n\",l=\"\"} 7"),
+        Some((
+            "a_b:c".into(),
+            vec![
+                ("k".into(), "x\"y\\z\n".into()),
+                ("l".into(), String::new())
+            ],
+            7
+        ))
+    );
+}

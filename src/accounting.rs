@@ -1,0 +1,452 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Exact accounting per (GPU, peer) pair, per GPU and per process, readable in
+//! debugfs (`paths`, `gpus`, `processes`).
+//!
+//! Lock-free on the hot path: fixed tables of atomics, looked up by a short
+//! scan, filled by compare-and-swap. A new pair or GPU (rare) is classified
+//! before its slot is claimed, so no racer ever waits for another; a process
+//! slot is claimed and freed with one atomic word holding its tgid and its
+//! live count together.
+
+use core::fmt;
+
+use kernel::sync::atomic::{
+    Acquire,
+    Atomic,
+    Relaxed,
+    Release, //
+};
+
+use crate::path::Class;
+
+const PAIRS: usize = 64;
+const GPUS: usize = 32;
+const PROC_SHARDS: usize = 16;
+const PROCS_PER_SHARD: usize = 16;
+
+/// The errnos a registration can fail with that are counted per pair, in the
+/// order of [`ERRNO_NAMES`]; anything else counts as the last.
+const ERRNOS: [i32; 8] = [14, 12, 95, 22, 5, 1, 16, 0];
+const ERRNO_NAMES: [&str; 8] = [
+    "EFAULT",
+    "ENOMEM",
+    "EOPNOTSUPP",
+    "EINVAL",
+    "EIO",
+    "EPERM",
+    "EBUSY",
+    "EOTHER",
+];
+
+fn errno_slot(errno: i32) -> usize {
+    ERRNOS[..7]
+        .iter()
+        .position(|&e| e == errno)
+        .unwrap_or(ERRNOS.len() - 1)
+}
+
+/// Writes a PCI address (domain << 16 | bus << 8 | devfn).
+pub(crate) struct Bdf(pub(crate) u32);
+
+impl fmt::Display for Bdf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = self.0;
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.{}",
+            v >> 16,
+            (v >> 8) & 0xff,
+            (v >> 3) & 0x1f,
+            v & 7
+        )
+    }
+}
+
+impl kernel::fmt::Display for Bdf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// How the peer's DMA is translated by an IOMMU.
+pub(crate) const IOMMU_NAMES: [&str; 5] = ["none", "identity", "dma", "dma-fq", "other"];
+
+struct PairSlot {
+    /// gpu << 32 | peer; 0: free.
+    key: Atomic<u64>,
+    ready: Atomic<u32>,
+    class: Atomic<u32>,
+    acs: Atomic<u32>,
+    iommu: Atomic<u32>,
+    registrations: Atomic<u64>,
+    policy_refusals: Atomic<u64>,
+    failures: [Atomic<u64>; ERRNOS.len()],
+    /// Errno slot + 1 of the last failure; 0: none.
+    last_failure: Atomic<u32>,
+    /// The driver's refusal was explained in the log.
+    refusal_logged: Atomic<u32>,
+}
+
+impl PairSlot {
+    const fn new() -> Self {
+        Self {
+            key: Atomic::new(0),
+            ready: Atomic::new(0),
+            class: Atomic::new(0),
+            acs: Atomic::new(0),
+            iommu: Atomic::new(0),
+            registrations: Atomic::new(0),
+            policy_refusals: Atomic::new(0),
+            failures: [const { Atomic::new(0) }; ERRNOS.len()],
+            last_failure: Atomic::new(0),
+            refusal_logged: Atomic::new(0),
+        }
+    }
+}
+
+struct GpuSlot {
+    /// First byte of the BAR holding the GPU's pinned pages; 0: free.
+    bar_start: Atomic<u64>,
+    bar_end: Atomic<u64>,
+    id: Atomic<u32>,
+    ready: Atomic<u32>,
+    live: Atomic<u64>,
+    pinned: Atomic<u64>,
+    max_pinned: Atomic<u64>,
+}
+
+impl GpuSlot {
+    const fn new() -> Self {
+        Self {
+            bar_start: Atomic::new(0),
+            bar_end: Atomic::new(0),
+            id: Atomic::new(0),
+            ready: Atomic::new(0),
+            live: Atomic::new(0),
+            pinned: Atomic::new(0),
+            max_pinned: Atomic::new(0),
+        }
+    }
+}
+
+struct ProcSlot {
+    /// tgid << 32 | live registrations; 0: free.
+    owner: Atomic<u64>,
+    pinned: Atomic<u64>,
+    comm: [Atomic<u64>; 2],
+}
+
+impl ProcSlot {
+    const fn new() -> Self {
+        Self {
+            owner: Atomic::new(0),
+            pinned: Atomic::new(0),
+            comm: [const { Atomic::new(0) }; 2],
+        }
+    }
+}
+
+static PAIR_TABLE: [PairSlot; PAIRS] = [const { PairSlot::new() }; PAIRS];
+static GPU_TABLE: [GpuSlot; GPUS] = [const { GpuSlot::new() }; GPUS];
+static PROC_TABLE: [ProcSlot; PROC_SHARDS * PROCS_PER_SHARD] =
+    [const { ProcSlot::new() }; PROC_SHARDS * PROCS_PER_SHARD];
+
+/// A GPU found by one of its BAR addresses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Gpu {
+    pub(crate) slot: usize,
+    pub(crate) id: u32,
+}
+
+/// The GPU whose BAR holds `phys`, if known.
+pub(crate) fn gpu_by_phys(phys: u64) -> Option<Gpu> {
+    GPU_TABLE.iter().enumerate().find_map(|(slot, g)| {
+        let start = g.bar_start.load(Acquire);
+        (start != 0
+            && g.ready.load(Acquire) != 0
+            && phys >= start
+            && phys <= g.bar_end.load(Relaxed))
+        .then(|| Gpu {
+            slot,
+            id: g.id.load(Relaxed),
+        })
+    })
+}
+
+/// Records a GPU whose BAR is `[start, end]`; `None` when the table is full.
+pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
+    for (slot, g) in GPU_TABLE.iter().enumerate() {
+        match g.bar_start.cmpxchg(0, start, Acquire) {
+            Ok(_) => {
+                g.bar_end.store(end, Relaxed);
+                g.id.store(id, Relaxed);
+                g.ready.store(1, Release);
+                return Some(Gpu { slot, id });
+            }
+            // Someone recorded this very BAR first.
+            Err(s) if s == start => return Some(Gpu { slot, id }),
+            Err(_) => continue,
+        }
+    }
+    None
+}
+
+/// A pair's slot and what is known of its path.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pair {
+    pub(crate) slot: usize,
+}
+
+fn pair_key(gpu: u32, peer: u32) -> u64 {
+    (u64::from(gpu) << 32) | u64::from(peer) | (1 << 63)
+}
+
+/// The pair's slot and class, if it was classified before.
+pub(crate) fn find_pair(gpu: u32, peer: u32) -> Option<(Pair, Class)> {
+    let key = pair_key(gpu, peer);
+    PAIR_TABLE.iter().enumerate().find_map(|(slot, p)| {
+        (p.key.load(Acquire) == key && p.ready.load(Acquire) != 0)
+            .then(|| Class::from_level(p.class.load(Relaxed)).map(|c| (Pair { slot }, c)))
+            .flatten()
+    })
+}
+
+/// Records a classified pair. Returns its slot and whether this call created
+/// it (the caller then logs it once); `None` when the table is full.
+pub(crate) fn add_pair(
+    gpu: u32,
+    peer: u32,
+    class: Class,
+    acs: bool,
+    iommu: u32,
+) -> Option<(Pair, bool)> {
+    let key = pair_key(gpu, peer);
+    for (slot, p) in PAIR_TABLE.iter().enumerate() {
+        match p.key.cmpxchg(0, key, Acquire) {
+            Ok(_) => {
+                p.class.store(class as u32, Relaxed);
+                p.acs.store(u32::from(acs), Relaxed);
+                p.iommu.store(iommu, Relaxed);
+                p.ready.store(1, Release);
+                return Some((Pair { slot }, true));
+            }
+            Err(k) if k == key => return Some((Pair { slot }, false)),
+            Err(_) => continue,
+        }
+    }
+    None
+}
+
+impl Pair {
+    fn slot(&self) -> &'static PairSlot {
+        &PAIR_TABLE[self.slot]
+    }
+
+    /// A registration failed on this pair with `errno` (positive).
+    pub(crate) fn failed(&self, errno: i32) {
+        let i = errno_slot(errno);
+        self.slot().failures[i].add(1, Relaxed);
+        self.slot().last_failure.store(i as u32 + 1, Relaxed);
+    }
+
+    /// The path policy refused a registration on this pair.
+    pub(crate) fn refused_by_policy(&self) {
+        self.slot().policy_refusals.add(1, Relaxed);
+        self.failed(1);
+    }
+
+    /// True the first time the GPU driver's refusal of this pair is explained.
+    pub(crate) fn first_refusal(&self) -> bool {
+        self.slot().refusal_logged.xchg(1, Relaxed) == 0
+    }
+}
+
+/// What one mapped registration is counted under; released once.
+///
+/// # Invariants
+///
+/// Built only by [`charge`], which added exactly what [`Charge::release`]
+/// subtracts.
+pub(crate) struct Charge {
+    gpu: usize,
+    proc_slot: Option<usize>,
+    bytes: u64,
+}
+
+fn store_comm(slot: &ProcSlot, comm: &[u8]) {
+    let mut w = [0u64; 2];
+    for (i, &b) in comm.iter().take(16).enumerate() {
+        w[i / 8] |= u64::from(b) << ((i % 8) * 8);
+    }
+    slot.comm[0].store(w[0], Relaxed);
+    slot.comm[1].store(w[1], Relaxed);
+}
+
+/// Adds one process's registration to its slot (made if needed).
+fn proc_add(tgid: u32, comm: &[u8], bytes: u64) -> Option<usize> {
+    let shard = tgid as usize % PROC_SHARDS;
+    let slots = shard * PROCS_PER_SHARD..(shard + 1) * PROCS_PER_SHARD;
+    // Join the process's slot if it has one.
+    for i in slots.clone() {
+        let s = &PROC_TABLE[i];
+        let mut cur = s.owner.load(Relaxed);
+        while cur != 0 && (cur >> 32) as u32 == tgid {
+            match s.owner.cmpxchg(cur, cur + 1, Acquire) {
+                Ok(_) => {
+                    s.pinned.add(bytes, Relaxed);
+                    return Some(i);
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+    // Claim a free one.
+    for i in slots {
+        let s = &PROC_TABLE[i];
+        if s.owner.cmpxchg(0, (u64::from(tgid) << 32) | 1, Acquire).is_ok() {
+            store_comm(s, comm);
+            s.pinned.add(bytes, Relaxed);
+            return Some(i);
+        }
+    }
+    None
+}
+
+fn proc_remove(i: usize, bytes: u64) {
+    let s = &PROC_TABLE[i];
+    s.pinned.fetch_sub(bytes, Relaxed);
+    let mut cur = s.owner.load(Relaxed);
+    loop {
+        // The last registration frees the slot in the same step.
+        let next = if cur & 0xffff_ffff == 1 { 0 } else { cur - 1 };
+        match s.owner.cmpxchg(cur, next, Release) {
+            Ok(_) => return,
+            Err(now) => cur = now,
+        }
+    }
+}
+
+/// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
+/// process `tgid` named `comm`.
+pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, comm: &[u8], bytes: u64) -> Charge {
+    pair.slot().registrations.add(1, Relaxed);
+    let g = &GPU_TABLE[gpu.slot];
+    g.live.add(1, Relaxed);
+    let now = g.pinned.fetch_add(bytes, Relaxed) + bytes;
+    let mut max = g.max_pinned.load(Relaxed);
+    while now > max {
+        match g.max_pinned.cmpxchg(max, now, Relaxed) {
+            Ok(_) => break,
+            Err(m) => max = m,
+        }
+    }
+    // INVARIANT: what `release` subtracts was added here.
+    Charge {
+        gpu: gpu.slot,
+        proc_slot: proc_add(tgid, comm, bytes),
+        bytes,
+    }
+}
+
+impl Charge {
+    /// The registration's pin ended.
+    pub(crate) fn release(self) {
+        let g = &GPU_TABLE[self.gpu];
+        g.pinned.fetch_sub(self.bytes, Relaxed);
+        g.live.fetch_sub(1, Relaxed);
+        if let Some(i) = self.proc_slot {
+            proc_remove(i, self.bytes);
+        }
+    }
+}
+
+/// debugfs `paths`.
+pub(crate) fn show_paths(f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    for p in PAIR_TABLE.iter() {
+        let key = p.key.load(Acquire);
+        if key == 0 || p.ready.load(Acquire) == 0 {
+            continue;
+        }
+        let class = Class::from_level(p.class.load(Relaxed)).map_or("unknown", Class::name);
+        let iommu = IOMMU_NAMES
+            .get(p.iommu.load(Relaxed) as usize)
+            .copied()
+            .unwrap_or("other");
+        write!(
+            f,
+            "gpu={} hca={} class={class} acs_redirect={} iommu={iommu} registrations={} failures=",
+            Bdf((key >> 32) as u32 & 0x7fff_ffff),
+            Bdf(key as u32),
+            p.acs.load(Relaxed),
+            p.registrations.load(Relaxed),
+        )?;
+        let mut any = false;
+        for (i, name) in ERRNO_NAMES.iter().enumerate() {
+            let n = p.failures[i].load(Relaxed);
+            if n > 0 {
+                write!(f, "{}{name}:{n}", if any { "," } else { "" })?;
+                any = true;
+            }
+        }
+        if !any {
+            write!(f, "-")?;
+        }
+        let last = match p.last_failure.load(Relaxed) {
+            0 => "-",
+            i => ERRNO_NAMES.get(i as usize - 1).copied().unwrap_or("EOTHER"),
+        };
+        writeln!(
+            f,
+            " last_failure={last} policy_refusals={}",
+            p.policy_refusals.load(Relaxed)
+        )?;
+    }
+    Ok(())
+}
+
+/// debugfs `gpus`.
+pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    for g in GPU_TABLE.iter() {
+        if g.bar_start.load(Acquire) == 0 || g.ready.load(Acquire) == 0 {
+            continue;
+        }
+        writeln!(
+            f,
+            "gpu={} live={} pinned_bytes={} max_pinned_bytes={}",
+            Bdf(g.id.load(Relaxed)),
+            g.live.load(Relaxed),
+            g.pinned.load(Relaxed),
+            g.max_pinned.load(Relaxed)
+        )?;
+    }
+    Ok(())
+}
+
+/// debugfs `processes`.
+pub(crate) fn show_processes(f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    for s in PROC_TABLE.iter() {
+        let owner = s.owner.load(Acquire);
+        if owner == 0 {
+            continue;
+        }
+        let mut comm = [0u8; 16];
+        for (i, w) in s.comm.iter().enumerate() {
+            comm[i * 8..i * 8 + 8].copy_from_slice(&w.load(Relaxed).to_le_bytes());
+        }
+        let end = comm.iter().position(|&b| b == 0).unwrap_or(16);
+        let name = core::str::from_utf8(&comm[..end]).unwrap_or("?");
+        write!(f, "tgid={} comm=", owner >> 32)?;
+        // No spaces: one record per line, fields split by spaces.
+        for c in name.chars() {
+            write!(f, "{}", if c.is_whitespace() { '_' } else { c })?;
+        }
+        writeln!(
+            f,
+            " live={} pinned_bytes={}",
+            owner & 0xffff_ffff,
+            s.pinned.load(Relaxed)
+        )?;
+    }
+    Ok(())
+}

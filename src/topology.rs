@@ -1,0 +1,214 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Where a registration's DMA goes: the (GPU, peer) pair, its PCIe path class
+//! (computed once per pair, logged once), the path policy, and the
+//! explanation of the GPU driver's topology refusal.
+
+use kernel::prelude::*;
+
+use crate::{
+    accounting::{
+        self,
+        Bdf,
+        Charge,
+        Gpu,
+        Pair, //
+    },
+    ffi,
+    path::{
+        self,
+        Chain,
+        Class,
+        Hop,
+        HopKind, //
+    },
+    peer_device::PeerDevice,
+    stats::{
+        fail,
+        Cause, //
+    },
+};
+
+/// The refusal level of the path policy (`path_policy`): 0 allows every
+/// path; 1..=5 refuse paths worse than PIX..SYS.
+pub(crate) fn policy_level() -> i32 {
+    crate::policy_parameter()
+}
+
+/// What is known of one registration's route.
+pub(crate) struct Route {
+    gpu: Option<Gpu>,
+    peer: u32,
+    pair: Option<(Pair, Class)>,
+}
+
+fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
+    let n = core::cmp::min(c.nhops as usize, out.len());
+    for (o, h) in out.iter_mut().zip(c.hops.iter()).take(n) {
+        *o = Hop {
+            id: h.id,
+            kind: match h.kind {
+                1 => HopKind::RootPort,
+                2 => HopKind::SwitchUp,
+                3 => HopKind::SwitchDown,
+                _ => HopKind::Bridge,
+            },
+            acs_redirect: h.acs_redirect != 0,
+        };
+    }
+    n
+}
+
+fn find_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
+    if let Some(g) = accounting::gpu_by_phys(phys) {
+        return Some((g, None));
+    }
+    let mut chain = ffi::PeermemChain::default();
+    let (mut start, mut end) = (0u64, 0u64);
+    // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
+    if unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) } != 0 {
+        return None;
+    }
+    accounting::add_gpu(chain.id, start, end).map(|g| (g, Some(chain)))
+}
+
+fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
+    let mut peer_chain = ffi::PeermemChain::default();
+    // SAFETY: a live device (the `PeerDevice` invariant), a valid out-pointer.
+    if unsafe { ffi::peermem_chain_of(peer.dev(), &mut peer_chain) } != 0 {
+        return None;
+    }
+    let (mut ga, mut pa) = ([Hop::default(); 16], [Hop::default(); 16]);
+    let (gn, pn) = (hops(gpu_chain, &mut ga), hops(&peer_chain, &mut pa));
+    let a = Chain {
+        root: gpu_chain.root,
+        numa: gpu_chain.numa,
+        hops: &ga[..gn],
+    };
+    let b = Chain {
+        root: peer_chain.root,
+        numa: peer_chain.numa,
+        hops: &pa[..pn],
+    };
+    // SAFETY: a live device.
+    let iommu = unsafe { ffi::peermem_iommu_kind(peer.dev()) };
+    Some((path::classify(&a, &b), iommu.clamp(0, 4) as u32))
+}
+
+fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
+    let class = p.class.name();
+    let acs = if p.acs_redirect {
+        ", ACS redirects peer requests to the root complex"
+    } else {
+        ""
+    };
+    let iommu = accounting::IOMMU_NAMES[iommu as usize];
+    if p.class.through_root_complex() || p.acs_redirect {
+        pr_warn!(
+            "GPU {} and peer {}: path {class}{acs} (IOMMU: {iommu}): peer-to-peer traffic crosses the root complex; expect low bandwidth, or none on some platforms; put the HCA behind the GPU's PCIe switch{}\n",
+            Bdf(gpu),
+            Bdf(peer),
+            if p.acs_redirect { " or disable ACS redirection on its ports" } else { "" }
+        );
+    } else {
+        pr_info!(
+            "GPU {} and peer {}: path {class} (IOMMU: {iommu})\n",
+            Bdf(gpu),
+            Bdf(peer)
+        );
+    }
+}
+
+impl Route {
+    /// The route of pages starting at bus address `phys` to `peer`.
+    pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
+        // SAFETY: a live device (the `PeerDevice` invariant).
+        let peer_id = unsafe { ffi::peermem_dev_id(peer.dev()) };
+        let Some((gpu, chain)) = find_gpu(phys) else {
+            return Self {
+                gpu: None,
+                peer: peer_id,
+                pair: None,
+            };
+        };
+        if let Some(found) = accounting::find_pair(gpu.id, peer_id) {
+            return Self {
+                gpu: Some(gpu),
+                peer: peer_id,
+                pair: Some(found),
+            };
+        }
+        // A new pair (rare): classify it, from scratch if needed.
+        let chain = chain.or_else(|| {
+            let mut c = ffi::PeermemChain::default();
+            let (mut s, mut e) = (0u64, 0u64);
+            // SAFETY: valid out-pointers.
+            (unsafe { ffi::peermem_gpu_by_phys(phys, &mut c, &mut s, &mut e) } == 0).then_some(c)
+        });
+        let pair = chain
+            .as_ref()
+            .and_then(|c| classify(c, peer))
+            .and_then(|(p, iommu)| {
+                let (pair, new) =
+                    accounting::add_pair(gpu.id, peer_id, p.class, p.acs_redirect, iommu)?;
+                if new {
+                    log_new_pair(gpu.id, peer_id, p, iommu);
+                }
+                Some((pair, p.class))
+            });
+        Self {
+            gpu: Some(gpu),
+            peer: peer_id,
+            pair,
+        }
+    }
+
+    /// The path policy's verdict.
+    pub(crate) fn admit(&self) -> Result {
+        let level = policy_level();
+        let Some((pair, class)) = &self.pair else {
+            return Ok(());
+        };
+        if level <= 0 || (*class as i32) <= level {
+            return Ok(());
+        }
+        pair.refused_by_policy();
+        let limit = Class::from_level(level as u32).map_or("?", Class::name);
+        Err(fail!(
+            Cause::PathPolicy,
+            EPERM,
+            "refused by path_policy={level}: the path between GPU {} and peer {} is {}, worse than {limit}",
+            Bdf(self.gpu.map_or(0, |g| g.id)),
+            Bdf(self.peer),
+            class.name()
+        ))
+    }
+
+    /// A registration on this route failed with `e`; explains a refusal by
+    /// the GPU driver's topology check once per pair.
+    pub(crate) fn failed(&self, e: Error, by_driver_map: bool) {
+        let Some((pair, class)) = &self.pair else {
+            return;
+        };
+        pair.failed(-e.to_errno());
+        if by_driver_map && e == EOPNOTSUPP && pair.first_refusal() {
+            pr_err!(
+                "nvidia_p2p_dma_map_pages refused GPU {} and peer {} (path {}): the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n",
+                Bdf(self.gpu.map_or(0, |g| g.id)),
+                Bdf(self.peer),
+                class.name()
+            );
+        }
+    }
+
+    /// Counts a mapped registration of `bytes` for the calling process.
+    pub(crate) fn charge(&self, bytes: u64) -> Option<Charge> {
+        let (pair, _) = self.pair?;
+        let gpu = self.gpu?;
+        let mut comm = [0u8; 16];
+        // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
+        unsafe { ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
+        let tgid = kernel::current!().tgid() as u32;
+        Some(accounting::charge(pair, gpu, tgid, &comm, bytes))
+    }
+}

@@ -1,0 +1,379 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The module's path diagnostics: the debugfs files `paths`, `gpus` and
+//! `processes`, one `key=value ...` record per line. A malformed line
+//! becomes an error for that line only; a missing file makes its view
+//! unavailable, with the reason.
+
+use std::io;
+
+use crate::sysfs::{parse_u64, Counters, Module, Sys};
+
+pub const PATHS: &str = "/sys/kernel/debug/nvidia_peermem/paths";
+pub const GPUS: &str = "/sys/kernel/debug/nvidia_peermem/gpus";
+pub const PROCESSES: &str = "/sys/kernel/debug/nvidia_peermem/processes";
+
+/// Path classes, best first, in `nvidia-smi topo -m` vocabulary.
+pub const CLASSES: &[&str] = &["PIX", "PXB", "PHB", "NODE", "SYS"];
+
+/// One (GPU, HCA) pair of `paths`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PathRec {
+    pub gpu: String,
+    pub hca: String,
+    /// One of [`CLASSES`] or `unknown` (other words are kept as they are).
+    pub class: String,
+    /// A bridge on the path redirects peer requests (ACS).
+    pub acs_redirect: bool,
+    /// The HCA's IOMMU domain type: none, identity, dma, dma-fq, other.
+    pub iommu: String,
+    pub registrations: u64,
+    /// (errno name, count), in file order.
+    pub failures: Vec<(String, u64)>,
+    pub last_failure: Option<String>,
+    pub policy_refusals: u64,
+}
+
+impl PathRec {
+    /// The HCA's DMA goes through IOMMU translation.
+    pub fn translated(&self) -> bool {
+        matches!(self.iommu.as_str(), "dma" | "dma-fq")
+    }
+
+    /// The class is one the module knows how to name.
+    pub fn classified(&self) -> bool {
+        CLASSES.contains(&self.class.as_str())
+    }
+}
+
+/// One GPU of `gpus`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuRec {
+    pub gpu: String,
+    pub live: u64,
+    pub pinned_bytes: u64,
+    pub max_pinned_bytes: u64,
+}
+
+/// One process of `processes` (only those with live registrations).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcRec {
+    pub tgid: u64,
+    pub comm: String,
+    pub live: u64,
+    pub pinned_bytes: u64,
+}
+
+/// A file's records, sorted, and its malformed lines ("line N: why").
+#[derive(Debug, Clone, PartialEq)]
+pub struct Records<T> {
+    pub records: Vec<T>,
+    pub errors: Vec<String>,
+}
+
+/// A file's records, or why the file could not be read.
+pub type Table<T> = Result<Records<T>, String>;
+
+/// The three files.
+#[derive(Debug)]
+pub struct Diag {
+    pub paths: Table<PathRec>,
+    pub gpus: Table<GpuRec>,
+    pub processes: Table<ProcRec>,
+}
+
+impl Diag {
+    /// Reads the files; `stats` is the outcome of reading `stats` (its
+    /// error explains a missing debugfs better than "no such file").
+    pub fn read(sys: &Sys, module: &Module, stats: &Result<Counters, String>) -> Self {
+        let why = |abs: &str, e: io::Error| -> String {
+            if !module.loaded {
+                return "nvidia_peermem is not loaded".into();
+            }
+            match e.kind() {
+                io::ErrorKind::NotFound => match stats {
+                    Err(why) => why.clone(),
+                    Ok(_) => format!("no {abs}: this nvidia_peermem has no path diagnostics"),
+                },
+                io::ErrorKind::PermissionDenied => {
+                    format!("{abs}: permission denied (debugfs needs root)")
+                }
+                _ => format!("{abs}: {e}"),
+            }
+        };
+        let table = |abs: &str| Sys::read(&sys.path(abs)).map_err(|e| why(abs, e));
+        Self {
+            paths: table(PATHS).map(|t| parse_paths(&t)),
+            gpus: table(GPUS).map(|t| parse_gpus(&t)),
+            processes: table(PROCESSES).map(|t| parse_processes(&t)),
+        }
+    }
+
+    /// Every malformed line, as "file: line N: why".
+    pub fn errors(&self) -> Vec<String> {
+        fn add<T>(out: &mut Vec<String>, file: &str, t: &Table<T>) {
+            if let Ok(r) = t {
+                out.extend(r.errors.iter().map(|e| format!("{file}: {e}")));
+            }
+        }
+        let mut out = Vec::new();
+        add(&mut out, PATHS, &self.paths);
+        add(&mut out, GPUS, &self.gpus);
+        add(&mut out, PROCESSES, &self.processes);
+        out
+    }
+}
+
+/// Sort key of a PCI address `dddd:bb:dd.f` (any domain width); other
+/// strings sort after the addresses, by text.
+pub fn pci_key(s: &str) -> (bool, u64, String) {
+    let parsed = (|| {
+        let (domain, rest) = s.split_once(':')?;
+        let (bus, rest) = rest.split_once(':')?;
+        let (dev, func) = rest.split_once('.')?;
+        let hex = |p: &str, max: u64| u64::from_str_radix(p, 16).ok().filter(|&v| v <= max);
+        if domain.is_empty() || domain.len() > 8 || bus.len() != 2 || dev.len() != 2 {
+            return None;
+        }
+        let n = (hex(domain, u32::MAX as u64)? << 16)
+            | (hex(bus, 0xff)? << 8)
+            | (hex(dev, 0x1f)? << 3)
+            | hex(func, 7)?;
+        (func.len() == 1).then_some(n)
+    })();
+    (parsed.is_none(), parsed.unwrap_or(0), s.to_string())
+}
+
+/// The `key=value` words of one line, in order.
+struct Line<'a>(Vec<(&'a str, &'a str)>);
+
+impl<'a> Line<'a> {
+    fn parse(line: &'a str) -> Result<Self, String> {
+        line.split_whitespace()
+            .map(|w| match w.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k, v)),
+                _ => Err(format!("not key=value: {:?}", short(w))),
+            })
+            .collect::<Result<_, _>>()
+            .map(Line)
+    }
+
+    /// A key's value (the first, if repeated); unknown keys are ignored,
+    /// so a newer module may add some.
+    fn get(&self, key: &str) -> Result<&'a str, String> {
+        match self.0.iter().find(|(k, _)| *k == key) {
+            Some((_, v)) if !v.is_empty() => Ok(v),
+            Some(_) => Err(format!("{key} is empty")),
+            None => Err(format!("no {key}")),
+        }
+    }
+
+    fn num(&self, key: &str) -> Result<u64, String> {
+        parse_u64(self.get(key)?).map_err(|e| format!("{key}: {e}"))
+    }
+
+    /// `-` is none.
+    fn opt(&self, key: &str) -> Result<Option<&'a str>, String> {
+        self.get(key).map(|v| (v != "-").then_some(v))
+    }
+}
+
+fn short(s: &str) -> String {
+    s.chars().take(40).collect()
+}
+
+/// Parses every non-empty line with `f`, drops repeated keys (the first
+/// record wins), sorts by `key`.
+fn records<T, K: Ord + Clone>(
+    text: &str,
+    f: impl Fn(&Line) -> Result<T, String>,
+    key: impl Fn(&T) -> K,
+    shown: impl Fn(&T) -> String,
+) -> Records<T> {
+    let mut out: Vec<(K, T)> = Vec::new();
+    let mut errors = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match Line::parse(line).and_then(|l| f(&l)) {
+            Ok(r) => {
+                let k = key(&r);
+                if out.iter().any(|(o, _)| *o == k) {
+                    errors.push(format!("line {}: {} repeated", i + 1, shown(&r)));
+                } else {
+                    out.push((k, r));
+                }
+            }
+            Err(e) => errors.push(format!("line {}: {e}", i + 1)),
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Records {
+        records: out.into_iter().map(|(_, r)| r).collect(),
+        errors,
+    }
+}
+
+fn path_line(l: &Line) -> Result<PathRec, String> {
+    // Checked in the file's key order: the first bad key is reported.
+    let gpu = l.get("gpu")?.into();
+    let hca = l.get("hca")?.into();
+    let class = l.get("class")?.into();
+    let acs_redirect = match l.get("acs_redirect")? {
+        "0" => false,
+        "1" => true,
+        v => return Err(format!("acs_redirect: not 0 or 1: {:?}", short(v))),
+    };
+    let iommu = l.get("iommu")?.into();
+    let registrations = l.num("registrations")?;
+    let failures = match l.opt("failures")? {
+        None => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|p| match p.split_once(':') {
+                Some((name, n)) if !name.is_empty() => parse_u64(n)
+                    .map(|n| (name.to_string(), n))
+                    .map_err(|e| format!("failures: {e}")),
+                _ => Err(format!("failures: not errno:count: {:?}", short(p))),
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    Ok(PathRec {
+        gpu,
+        hca,
+        class,
+        acs_redirect,
+        iommu,
+        registrations,
+        failures,
+        last_failure: l.opt("last_failure")?.map(str::to_string),
+        policy_refusals: l.num("policy_refusals")?,
+    })
+}
+
+pub fn parse_paths(text: &str) -> Records<PathRec> {
+    records(
+        text,
+        path_line,
+        |r| (pci_key(&r.gpu), pci_key(&r.hca)),
+        |r| format!("gpu={} hca={}", r.gpu, r.hca),
+    )
+}
+
+pub fn parse_gpus(text: &str) -> Records<GpuRec> {
+    records(
+        text,
+        |l| {
+            Ok(GpuRec {
+                gpu: l.get("gpu")?.into(),
+                live: l.num("live")?,
+                pinned_bytes: l.num("pinned_bytes")?,
+                max_pinned_bytes: l.num("max_pinned_bytes")?,
+            })
+        },
+        |r| pci_key(&r.gpu),
+        |r| format!("gpu={}", r.gpu),
+    )
+}
+
+pub fn parse_processes(text: &str) -> Records<ProcRec> {
+    records(
+        text,
+        |l| {
+            Ok(ProcRec {
+                tgid: l.num("tgid")?,
+                comm: l.get("comm")?.into(),
+                live: l.num("live")?,
+                pinned_bytes: l.num("pinned_bytes")?,
+            })
+        },
+        |r| r.tgid,
+        |r| format!("tgid={}", r.tgid),
+    )
+}
+
+/// The module's `path_policy` parameter, if reported and numeric.
+pub fn path_policy(m: &Module) -> Option<u64> {
+    m.parameters
+        .iter()
+        .find(|(n, _)| n == "path_policy")
+        .and_then(|(_, v)| v.as_ref().ok()?.parse().ok())
+}
+
+/// What a `path_policy` value means.
+pub fn policy_meaning(p: u64) -> String {
+    match p {
+        0 => "allow all paths".into(),
+        n => match CLASSES.get(n as usize - 1) {
+            Some(c) => format!("refuse paths worse than {c}"),
+            None => "unknown policy".into(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_lines() {
+        let r = parse_paths(
+            "gpu=0000:00:04.0 hca=0000:00:02.0 class=SYS acs_redirect=1 iommu=dma-fq registrations=0 failures=- last_failure=- policy_refusals=3 future=1\n\
+             \n\
+             gpu=0000:00:03.0 hca=0000:00:02.0 class=PHB acs_redirect=0 iommu=dma registrations=12 failures=EOPNOTSUPP:1,ENOMEM:2 last_failure=EOPNOTSUPP policy_refusals=0\n\
+             gpu=0000:00:03.0 hca=0000:00:02.0 class=PIX acs_redirect=0 iommu=none registrations=1 failures=- last_failure=- policy_refusals=0\n\
+             gpu=0000:00:05.0 hca=x class=PIX acs_redirect=2 iommu=none registrations=1 failures=- last_failure=- policy_refusals=0\n\
+             gpu=0000:00:05.0 hca=x class=PIX acs_redirect=0 iommu=none registrations=1 failures=E:x last_failure=- policy_refusals=0\n\
+             gpu=0000:00:05.0 hca=x class=PIX\n\
+             junk\n",
+        );
+        assert_eq!(r.records.len(), 2);
+        let a = &r.records[0];
+        assert_eq!((a.gpu.as_str(), a.class.as_str()), ("0000:00:03.0", "PHB"));
+        assert_eq!(
+            a.failures,
+            [("EOPNOTSUPP".to_string(), 1), ("ENOMEM".to_string(), 2)]
+        );
+        assert_eq!(a.last_failure.as_deref(), Some("EOPNOTSUPP"));
+        assert!(a.translated() && !a.acs_redirect);
+        let b = &r.records[1];
+        assert!(b.acs_redirect && b.translated() && b.failures.is_empty());
+        assert_eq!(b.policy_refusals, 3);
+        assert_eq!(r.errors.len(), 5, "{:?}", r.errors);
+        assert!(r.errors[0].starts_with("line 4: gpu=0000:00:03.0 hca=0000:00:02.0 repeated"));
+        assert!(r.errors[1].contains("acs_redirect"));
+        assert!(r.errors[3].contains("no acs_redirect"));
+        assert!(r.errors[4].starts_with("line 8: not key=value"));
+    }
+
+    #[test]
+    fn pci_order() {
+        let mut v = vec![
+            "0000:81:00.0",
+            "zz",
+            "0000:0a:00.1",
+            "10000:00:00.0",
+            "0000:0a:00.0",
+        ];
+        v.sort_by_key(|s| pci_key(s));
+        assert_eq!(
+            v,
+            [
+                "0000:0a:00.0",
+                "0000:0a:00.1",
+                "0000:81:00.0",
+                "10000:00:00.0",
+                "zz"
+            ]
+        );
+    }
+
+    #[test]
+    fn policies() {
+        assert_eq!(policy_meaning(0), "allow all paths");
+        assert_eq!(policy_meaning(1), "refuse paths worse than PIX");
+        assert_eq!(policy_meaning(5), "refuse paths worse than SYS");
+        assert_eq!(policy_meaning(6), "unknown policy");
+    }
+}

@@ -1,0 +1,366 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The path-diagnostics views: `paths` (a GPU x HCA matrix like
+//! `nvidia-smi topo -m`), `--by-gpu` and `--by-process`, as tables or JSON.
+
+use std::fmt::Write;
+
+use crate::{
+    diag::{self, pci_key, GpuRec, PathRec, ProcRec, Records, Table, GPUS, PATHS, PROCESSES},
+    json::Json,
+    sysfs::Snapshot,
+};
+
+/// Under the matrix, like nvidia-smi's legend.
+pub const LEGEND: &str = "\
+Legend:
+  PIX  = at most one PCIe switch between GPU and HCA
+  PXB  = several PCIe switches, not through the host bridge
+  PHB  = through a PCIe host bridge (the CPU)
+  NODE = across PCIe host bridges within a NUMA node
+  SYS  = across NUMA nodes (the SMP interconnect)
+  +A   = a bridge on the path redirects peer requests (ACS)
+  +I   = the HCA's DMA is translated by the IOMMU (dma, dma-fq)
+  -    = path not classified, or pair not seen
+";
+
+/// A matrix cell: the class (`-` when unknown) and its marks.
+pub fn cell(p: &PathRec) -> String {
+    let mut c = if p.class == "unknown" || p.class.is_empty() {
+        "-".to_string()
+    } else {
+        p.class.clone()
+    };
+    if p.acs_redirect {
+        c.push_str("+A");
+    }
+    if p.translated() {
+        c.push_str("+I");
+    }
+    c
+}
+
+/// Distinct values, sorted by PCI address.
+fn addresses<'a>(it: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut v: Vec<&str> = it.collect();
+    v.sort_by_cached_key(|s| pci_key(s));
+    v.dedup();
+    v
+}
+
+fn unreadable(o: &mut String, file: &str, errors: &[String]) -> std::fmt::Result {
+    if !errors.is_empty() {
+        writeln!(o, "Unreadable lines of {file}")?;
+        for e in errors {
+            writeln!(o, "  {e}")?;
+        }
+    }
+    Ok(())
+}
+
+/// `peermem-stat paths`.
+pub fn paths(s: &Snapshot) -> String {
+    let mut o = String::new();
+    // Writing into a String cannot fail.
+    let _ = write_paths(&mut o, s);
+    o
+}
+
+fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
+    let r = match &s.diag.paths {
+        Ok(r) => r,
+        Err(why) => return writeln!(o, "Paths: unavailable: {why}"),
+    };
+    write!(o, "GPU/HCA paths ({PATHS})")?;
+    match diag::path_policy(&s.module) {
+        Some(p) => writeln!(o, ", path policy {p} ({})", diag::policy_meaning(p))?,
+        None => writeln!(o)?,
+    }
+    if r.records.is_empty() {
+        writeln!(o, "  no GPU/HCA pair recorded yet")?;
+        return unreadable(o, PATHS, &r.errors);
+    }
+    let gpus = addresses(r.records.iter().map(|p| p.gpu.as_str()));
+    let hcas = addresses(r.records.iter().map(|p| p.hca.as_str()));
+    let cells: Vec<Vec<String>> = gpus
+        .iter()
+        .map(|g| {
+            hcas.iter()
+                .map(|h| {
+                    r.records
+                        .iter()
+                        .find(|p| p.gpu == *g && p.hca == *h)
+                        .map_or_else(|| "-".into(), cell)
+                })
+                .collect()
+        })
+        .collect();
+    let label = |i: usize, g: &str| format!("GPU{i} {g}");
+    let lw = gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| label(i, g).len())
+        .max()
+        .unwrap_or(0);
+    let cw = cells
+        .iter()
+        .flatten()
+        .map(String::len)
+        .chain((0..hcas.len()).map(|i| format!("HCA{i}").len()))
+        .max()
+        .unwrap_or(0);
+    let mut head = format!("{:lw$}", "");
+    for i in 0..hcas.len() {
+        let _ = write!(head, "  {:<cw$}", format!("HCA{i}"));
+    }
+    writeln!(o, "{}", head.trim_end())?;
+    for (i, (g, row)) in gpus.iter().zip(&cells).enumerate() {
+        let mut line = format!("{:<lw$}", label(i, g));
+        for c in row {
+            let _ = write!(line, "  {c:<cw$}");
+        }
+        writeln!(o, "{}", line.trim_end())?;
+    }
+    writeln!(o)?;
+    writeln!(o, "HCA Legend:")?;
+    for (i, h) in hcas.iter().enumerate() {
+        writeln!(o, "  HCA{i}: {h}")?;
+    }
+    writeln!(o)?;
+    o.push_str(LEGEND);
+    writeln!(o)?;
+
+    let rows: Vec<[String; 9]> = r
+        .records
+        .iter()
+        .map(|p| {
+            let failures: Vec<String> =
+                p.failures.iter().map(|(e, n)| format!("{e}:{n}")).collect();
+            [
+                p.gpu.clone(),
+                p.hca.clone(),
+                p.class.clone(),
+                if p.acs_redirect { "1" } else { "0" }.into(),
+                p.iommu.clone(),
+                p.registrations.to_string(),
+                p.policy_refusals.to_string(),
+                if failures.is_empty() {
+                    "-".into()
+                } else {
+                    failures.join(",")
+                },
+                p.last_failure.clone().unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    let head = [
+        "gpu",
+        "hca",
+        "class",
+        "acs",
+        "iommu",
+        "registrations",
+        "policy_refusals",
+        "failures",
+        "last_failure",
+    ];
+    // Counts right-aligned, words left-aligned.
+    let right = [false, false, false, true, false, true, true, false, false];
+    writeln!(o, "Pairs")?;
+    columns(o, &head, &right, &rows)?;
+    unreadable(o, PATHS, &r.errors)
+}
+
+/// Writes `rows` under `head`, each column as wide as its widest entry.
+fn columns<const N: usize>(
+    o: &mut String,
+    head: &[&str; N],
+    right: &[bool; N],
+    rows: &[[String; N]],
+) -> std::fmt::Result {
+    let mut w = head.map(str::len);
+    for r in rows {
+        for (w, c) in w.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let line = |o: &mut String, cells: [&str; N]| {
+        let mut l = String::from(" ");
+        for i in 0..N {
+            let w = w[i];
+            let _ = if right[i] {
+                write!(l, " {:>w$}", cells[i])
+            } else {
+                write!(l, " {:<w$}", cells[i])
+            };
+        }
+        writeln!(o, "{}", l.trim_end())
+    };
+    line(o, *head)?;
+    for r in rows {
+        line(o, std::array::from_fn(|i| r[i].as_str()))?;
+    }
+    Ok(())
+}
+
+/// `peermem-stat --by-gpu`.
+pub fn by_gpu(s: &Snapshot) -> String {
+    let mut o = String::new();
+    let _ = write_table(&mut o, "GPUs", GPUS, &s.diag.gpus, |o, r| {
+        let head = ["gpu", "live", "pinned_bytes", "max_pinned_bytes"];
+        let mut rows: Vec<[String; 4]> = r
+            .records
+            .iter()
+            .map(|g: &GpuRec| {
+                [
+                    g.gpu.clone(),
+                    g.live.to_string(),
+                    g.pinned_bytes.to_string(),
+                    g.max_pinned_bytes.to_string(),
+                ]
+            })
+            .collect();
+        if r.records.len() > 1 {
+            let sum = |f: fn(&GpuRec) -> u64| {
+                r.records
+                    .iter()
+                    .fold(0u64, |a, g| a.saturating_add(f(g)))
+                    .to_string()
+            };
+            rows.push([
+                "total".into(),
+                sum(|g| g.live),
+                sum(|g| g.pinned_bytes),
+                "-".into(),
+            ]);
+        }
+        columns(o, &head, &[false, true, true, true], &rows)
+    });
+    o
+}
+
+/// `peermem-stat --by-process`.
+pub fn by_process(s: &Snapshot) -> String {
+    let mut o = String::new();
+    let _ = write_table(
+        &mut o,
+        "Processes with live registrations",
+        PROCESSES,
+        &s.diag.processes,
+        |o, r| {
+            let head = ["tgid", "comm", "live", "pinned_bytes"];
+            let rows: Vec<[String; 4]> = r
+                .records
+                .iter()
+                .map(|p: &ProcRec| {
+                    [
+                        p.tgid.to_string(),
+                        p.comm.clone(),
+                        p.live.to_string(),
+                        p.pinned_bytes.to_string(),
+                    ]
+                })
+                .collect();
+            columns(o, &head, &[true, false, true, true], &rows)
+        },
+    );
+    o
+}
+
+fn write_table<T>(
+    o: &mut String,
+    title: &str,
+    file: &str,
+    t: &Table<T>,
+    body: impl FnOnce(&mut String, &Records<T>) -> std::fmt::Result,
+) -> std::fmt::Result {
+    let r = match t {
+        Ok(r) => r,
+        Err(why) => return writeln!(o, "{title}: unavailable: {why}"),
+    };
+    if r.records.is_empty() {
+        writeln!(o, "{title}: none ({file})")?;
+    } else {
+        writeln!(o, "{title} ({file})")?;
+        body(o, r)?;
+    }
+    unreadable(o, file, &r.errors)
+}
+
+/// `{"<key>": [records] | null, "<key>_error": why | null, "errors": [...]}`.
+fn json_table<T>(key: &str, t: &Table<T>, f: impl Fn(&T) -> Json) -> Json {
+    let (records, error, errors) = match t {
+        Ok(r) => (
+            Json::Arr(r.records.iter().map(f).collect()),
+            Json::Null,
+            r.errors.iter().cloned().map(Json::Str).collect(),
+        ),
+        Err(why) => (Json::Null, Json::str(why.as_str()), Vec::new()),
+    };
+    Json::obj([
+        (key.to_string(), records),
+        (format!("{key}_error"), error),
+        ("errors".into(), Json::Arr(errors)),
+    ])
+}
+
+/// One pair as JSON.
+pub fn path_json(p: &PathRec) -> Json {
+    Json::obj([
+        ("gpu", Json::str(p.gpu.as_str())),
+        ("hca", Json::str(p.hca.as_str())),
+        ("class", Json::str(p.class.as_str())),
+        ("acs_redirect", Json::Bool(p.acs_redirect)),
+        ("iommu", Json::str(p.iommu.as_str())),
+        ("iommu_translated", Json::Bool(p.translated())),
+        ("registrations", Json::Num(p.registrations)),
+        (
+            "failures",
+            Json::obj(p.failures.iter().map(|(e, n)| (e.as_str(), Json::Num(*n)))),
+        ),
+        (
+            "last_failure",
+            Json::opt(p.last_failure.as_deref(), Json::str),
+        ),
+        ("policy_refusals", Json::Num(p.policy_refusals)),
+    ])
+}
+
+/// `paths --json`: the pairs, plus the module's path policy.
+pub fn paths_json(s: &Snapshot) -> Json {
+    let Json::Obj(mut fields) = json_table("paths", &s.diag.paths, path_json) else {
+        unreachable!("json_table returns an object")
+    };
+    fields.insert(
+        0,
+        (
+            "path_policy".into(),
+            Json::opt(diag::path_policy(&s.module), Json::Num),
+        ),
+    );
+    Json::Obj(fields)
+}
+
+/// `--by-gpu --json`.
+pub fn by_gpu_json(s: &Snapshot) -> Json {
+    json_table("gpus", &s.diag.gpus, |g| {
+        Json::obj([
+            ("gpu", Json::str(g.gpu.as_str())),
+            ("live", Json::Num(g.live)),
+            ("pinned_bytes", Json::Num(g.pinned_bytes)),
+            ("max_pinned_bytes", Json::Num(g.max_pinned_bytes)),
+        ])
+    })
+}
+
+/// `--by-process --json`.
+pub fn by_process_json(s: &Snapshot) -> Json {
+    json_table("processes", &s.diag.processes, |p| {
+        Json::obj([
+            ("tgid", Json::Num(p.tgid)),
+            ("comm", Json::str(p.comm.as_str())),
+            ("live", Json::Num(p.live)),
+            ("pinned_bytes", Json::Num(p.pinned_bytes)),
+        ])
+    })
+}
