@@ -755,7 +755,8 @@ pub fn topology_gate(ctx: &mut Ctx) -> Result<String, String> {
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default();
         ensure!(
-            log.lines().any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(&hca)),
+            log.lines()
+                .any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(&hca)),
             "the topology refusal was not explained in the log"
         );
         let paths = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")

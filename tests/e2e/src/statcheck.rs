@@ -157,6 +157,7 @@ fn check(stat: &str) -> Result<String, String> {
         pinned >= 3 * K64 as i128,
         "{when}: pinned_bytes grew by {pinned}"
     );
+    let views = check_views(stat, 3)?;
 
     // cudaFree (munmap) under the first MR.
     allocs[0].unmap();
@@ -180,6 +181,7 @@ fn check(stat: &str) -> Result<String, String> {
     expect_delta(&base, &done, "/peers/nv_mem/live_mrs", 0, when)?;
     expect_delta(&base, &done, "/peers/nv_mem/live_bytes", 0, when)?;
     expect_delta(&base, &done, "/stats/registrations", 3, when)?;
+    check_views(stat, 0)?;
 
     // Watch: two frames, human and JSON.
     let out = run(stat, &["--watch", "0.2", "--count", "2"])?;
@@ -204,10 +206,90 @@ fn check(stat: &str) -> Result<String, String> {
     );
 
     Ok(format!(
-        "version {}, NCCL via {}, {} invalidation(s) on free{}",
+        "version {}, NCCL via {}, {} invalidation(s) on free{}; {views}",
         version.trim(),
         nccl["path"],
         want,
         if persistent { " (persistent mode)" } else { "" }
+    ))
+}
+
+/// `paths`, `--by-gpu`, `--by-process` (JSON) and `--prometheus` against
+/// `live` registrations of 64 KiB made by this process on GPU 0.
+fn check_views(stat: &str, live: u64) -> Result<String, String> {
+    let me = std::process::id() as u64;
+    let gpus = parse(run(stat, &["--by-gpu", "--json"])?.trim_end())?;
+    let gpus = gpus["gpus"].as_array().ok_or("--by-gpu --json: no gpus")?;
+    let busy: Vec<&Value> = gpus
+        .iter()
+        .filter(|g| g["live"].as_u64() != Some(0))
+        .collect();
+    ensure!(
+        busy.len() == usize::from(live > 0),
+        "--by-gpu: {} GPUs with live registrations, expected {}",
+        busy.len(),
+        usize::from(live > 0)
+    );
+    let Some(gpu) = busy.first() else {
+        ensure!(
+            gpus.iter().all(|g| g["pinned_bytes"].as_u64() == Some(0)),
+            "--by-gpu: pinned bytes left {gpus:?}"
+        );
+        let procs = parse(run(stat, &["--by-process", "--json"])?.trim_end())?;
+        ensure!(
+            procs["processes"].as_array().is_some_and(|p| p.is_empty()),
+            "--by-process: processes left {procs}"
+        );
+        return Ok("nothing left".into());
+    };
+    ensure!(
+        num(gpu, "/live")? == live && num(gpu, "/pinned_bytes")? == live * K64,
+        "--by-gpu: {gpu}, expected {live} live, {} bytes",
+        live * K64
+    );
+    ensure!(
+        num(gpu, "/max_pinned_bytes")? >= live * K64,
+        "--by-gpu: high-water mark {gpu}"
+    );
+    let paths = parse(run(stat, &["paths", "--json"])?.trim_end())?;
+    let pair = paths["paths"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["gpu"] == gpu["gpu"]))
+        .ok_or_else(|| format!("paths --json has no pair of {}", gpu["gpu"]))?;
+    ensure!(
+        ["PIX", "PXB", "PHB", "NODE", "SYS"].contains(&pair["class"].as_str().unwrap_or("")),
+        "paths --json: class {}",
+        pair["class"]
+    );
+    let procs = parse(run(stat, &["--by-process", "--json"])?.trim_end())?;
+    let mine = procs["processes"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["tgid"].as_u64() == Some(me)));
+    let mine = mine.ok_or_else(|| format!("--by-process has no process {me}: {procs}"))?;
+    ensure!(
+        num(mine, "/live")? == live && num(mine, "/pinned_bytes")? == live * K64,
+        "--by-process: {mine}, expected {live} live"
+    );
+    let prom = run(stat, &["--prometheus"])?;
+    let want = format!(
+        "nvidia_peermem_gpu_live_registrations{{gpu=\"{}\"}} {live}",
+        pair["gpu"].as_str().unwrap_or("")
+    );
+    ensure!(
+        prom.lines().any(|l| l == want),
+        "--prometheus lacks `{want}`"
+    );
+    ensure!(
+        prom.lines().any(|l| l == "nvidia_peermem_up 1"),
+        "--prometheus: module not up"
+    );
+    let matrix = run(stat, &["paths"])?;
+    ensure!(
+        matrix.contains(pair["class"].as_str().unwrap_or("?")),
+        "paths matrix lacks the class:\n{matrix}"
+    );
+    Ok(format!(
+        "paths: {} {} {}",
+        pair["gpu"], pair["hca"], pair["class"]
     ))
 }

@@ -9,19 +9,20 @@ peermem-stat: what nvidia_peermem and the RDMA core's peer-memory clients are do
 and which GPUDirect RDMA detection paths NCCL, UCX, Open MPI, NVSHMEM and GDS
 will see.
 
-Usage: peermem-stat [OPTIONS]              module, counters, clients, detection
-       peermem-stat paths [OPTIONS]        GPU x HCA PCIe paths, like nvidia-smi topo -m
-       peermem-stat --by-gpu [OPTIONS]     live registrations and pinned bytes per GPU
-       peermem-stat --by-process [OPTIONS] the same per process (tgid, comm)
+Usage: peermem-stat [OPTIONS]               module, counters, clients, detection
+       peermem-stat paths [OPTIONS]         GPU x HCA paths (nvidia-smi topo -m)
+       peermem-stat --by-gpu [OPTIONS]      registrations, pinned bytes per GPU
+       peermem-stat --by-process [OPTIONS]  the same per process (tgid, comm)
        peermem-stat --prometheus [--root DIR]
 
 Views:
-  paths           matrix of GPUs (rows) by HCAs (columns), each cell the path class:
-                  PIX one PCIe switch, PXB several switches, PHB through the host
-                  bridge, NODE across host bridges in a NUMA node, SYS across NUMA
-                  nodes, - not classified; marks: +A a bridge redirects peer
-                  requests (ACS), +I the HCA's DMA is IOMMU-translated; then per
-                  pair: registrations, path-policy refusals, failures by errno
+  paths           matrix of GPUs (rows) by HCAs (columns), each cell the path
+                  class: PIX one PCIe switch, PXB several switches, PHB through
+                  the host bridge, NODE across host bridges in a NUMA node, SYS
+                  across NUMA nodes, - not classified; marks: +A a bridge
+                  redirects peer requests (ACS), +I the HCA's DMA is
+                  IOMMU-translated; then per pair: registrations, path-policy
+                  refusals, failures by errno
   --by-gpu        live registrations, pinned and most-ever pinned bytes per GPU
   --by-process    live registrations and pinned bytes per process that has some
   --prometheus    everything (counters, parameters, clients, paths, GPUs,

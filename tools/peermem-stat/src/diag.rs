@@ -168,6 +168,14 @@ impl<'a> Line<'a> {
         }
     }
 
+    /// A value that may be empty.
+    fn any(&self, key: &str) -> Result<&'a str, String> {
+        match self.0.iter().find(|(k, _)| *k == key) {
+            Some((_, v)) => Ok(v),
+            None => Err(format!("no {key}")),
+        }
+    }
+
     fn num(&self, key: &str) -> Result<u64, String> {
         parse_u64(self.get(key)?).map_err(|e| format!("{key}: {e}"))
     }
@@ -283,7 +291,8 @@ pub fn parse_processes(text: &str) -> Records<ProcRec> {
         |l| {
             Ok(ProcRec {
                 tgid: l.num("tgid")?,
-                comm: l.get("comm")?.into(),
+                // A task may name itself "" (prctl PR_SET_NAME).
+                comm: l.any("comm")?.into(),
                 live: l.num("live")?,
                 pinned_bytes: l.num("pinned_bytes")?,
             })
@@ -343,8 +352,24 @@ mod tests {
         assert_eq!(r.errors.len(), 5, "{:?}", r.errors);
         assert!(r.errors[0].starts_with("line 4: gpu=0000:00:03.0 hca=0000:00:02.0 repeated"));
         assert!(r.errors[1].contains("acs_redirect"));
-        assert!(r.errors[3].contains("no acs_redirect"));
+        assert!(r.errors[3].contains("no acs_redirect"), "{:?}", r.errors);
         assert!(r.errors[4].starts_with("line 8: not key=value"));
+    }
+
+    #[test]
+    fn gpu_and_process_lines() {
+        let g = parse_gpus(
+            "gpu=0000:00:03.0 live=3 pinned_bytes=196608 max_pinned_bytes=262144\ngpu=a live=1\n",
+        );
+        assert_eq!(g.records.len(), 1);
+        assert_eq!(g.records[0].max_pinned_bytes, 262144);
+        assert_eq!(g.errors, ["line 2: no pinned_bytes"]);
+        let p = parse_processes(
+            "tgid=9 comm=b live=1 pinned_bytes=1\ntgid=8 comm= live=2 pinned_bytes=3\ntgid=x comm=c live=1 pinned_bytes=1\n",
+        );
+        assert_eq!(p.records.iter().map(|p| p.tgid).collect::<Vec<_>>(), [8, 9]);
+        assert_eq!(p.records[0].comm, "");
+        assert_eq!(p.errors.len(), 1);
     }
 
     #[test]

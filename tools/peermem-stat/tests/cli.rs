@@ -901,11 +901,14 @@ fn by_gpu_and_by_process_tables() {
     assert_eq!(text.matches("HCA Legend:").count(), 2);
 }
 
+/// A sample: (metric name, labels unescaped, value).
+type Sample = (String, Vec<(String, String)>, u64);
+
 /// One sample line of the text format 0.0.4: (name, labels unescaped,
 /// value). Accepts exactly what this regex does (the test has no regex
 /// crate):
 /// `^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*"(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*")*\})? [0-9]+$`
-fn sample(line: &str) -> Option<(String, Vec<(String, String)>, u64)> {
+fn sample(line: &str) -> Option<Sample> {
     fn ident(s: &str, colon: bool) -> usize {
         s.char_indices()
             .take_while(|&(i, c)| {
@@ -965,7 +968,7 @@ fn sample(line: &str) -> Option<(String, Vec<(String, String)>, u64)> {
 /// Validates a whole exposition: every line a HELP, TYPE or sample; each
 /// family's HELP then TYPE once, before its samples, which are contiguous;
 /// no repeated series. Returns the samples.
-fn exposition(text: &str) -> Vec<(String, Vec<(String, String)>, u64)> {
+fn exposition(text: &str) -> Vec<Sample> {
     assert!(text.ends_with('\n'));
     let mut families: Vec<String> = Vec::new();
     let mut help: Option<String> = None;
@@ -1005,9 +1008,7 @@ fn exposition(text: &str) -> Vec<(String, Vec<(String, String)>, u64)> {
         assert!(help.is_none(), "{line}");
         assert!(s.0.starts_with("nvidia_peermem_"), "{line}");
         assert!(
-            !samples
-                .iter()
-                .any(|o: &(String, Vec<(String, String)>, u64)| o.0 == s.0 && o.1 == s.1),
+            !samples.iter().any(|o: &Sample| o.0 == s.0 && o.1 == s.1),
             "repeated series {line}"
         );
         samples.push(s);
@@ -1017,11 +1018,7 @@ fn exposition(text: &str) -> Vec<(String, Vec<(String, String)>, u64)> {
 }
 
 /// The value of a series.
-fn series(
-    samples: &[(String, Vec<(String, String)>, u64)],
-    name: &str,
-    labels: &[(&str, &str)],
-) -> Option<u64> {
+fn series(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<u64> {
     samples
         .iter()
         .find(|(n, l, _)| {
