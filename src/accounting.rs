@@ -304,7 +304,10 @@ fn proc_add(tgid: u32, comm: &[u8], bytes: u64) -> Option<usize> {
     // Claim a free one.
     for i in slots {
         let s = &PROC_TABLE[i];
-        if s.owner.cmpxchg(0, (u64::from(tgid) << 32) | 1, Acquire).is_ok() {
+        if s.owner
+            .cmpxchg(0, (u64::from(tgid) << 32) | 1, Acquire)
+            .is_ok()
+        {
             store_comm(s, comm);
             s.pinned.add(bytes, Relaxed);
             return Some(i);

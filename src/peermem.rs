@@ -176,10 +176,7 @@ impl kernel::Module for NvidiaPeermem {
             dir.read_callback_file(c"paths", (), &show_paths),
             GFP_KERNEL,
         )?;
-        let gpus = KBox::pin_init(
-            dir.read_callback_file(c"gpus", (), &show_gpus),
-            GFP_KERNEL,
-        )?;
+        let gpus = KBox::pin_init(dir.read_callback_file(c"gpus", (), &show_gpus), GFP_KERNEL)?;
         let processes = KBox::pin_init(
             dir.read_callback_file(c"processes", (), &show_processes),
             GFP_KERNEL,

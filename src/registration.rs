@@ -56,13 +56,13 @@ use crate::{
     },
     reaper::Deferred,
     sg::SgTable,
-    topology::Route,
     stats::{
         fail,
         reg_dbg,
         Cause,
         STATS, //
     },
+    topology::Route,
 };
 
 /// How a registration's pages are pinned.
@@ -387,35 +387,40 @@ impl Registration {
         route: &Route,
         sg_head: *mut bindings::sg_table,
     ) -> Result<u32> {
-        let mut g = self.inner.lock();
-        g.mapper = false;
-        self.core_left.notify_all();
-        let map = match made {
-            Ok(m) => m,
-            Err(e) => {
-                g.lc.map_failed();
-                return Err(e);
+        let lost = {
+            let mut g = self.inner.lock();
+            g.mapper = false;
+            self.core_left.notify_all();
+            let map = match made {
+                Ok(m) => m,
+                Err(e) => {
+                    g.lc.map_failed();
+                    return Err(e);
+                }
+            };
+            match g.lc.map_succeeded(map) {
+                // Revoked meanwhile: our own mapping, undone below; the
+                // device never saw it.
+                Err(map) => map,
+                Ok(()) => {
+                    // Counted until the pin ends (under this lock, so that a
+                    // revoke cannot end the pin in between).
+                    g.charge = route.charge(self.range.len);
+                    return Ok(g.lc.map().map_or(0, |m| {
+                        // SAFETY: `sg_head` is the core's table (caller).
+                        unsafe { m.sg().publish(sg_head) };
+                        m.sg().nents()
+                    }));
+                }
             }
         };
-        if let Err(map) = g.lc.map_succeeded(map) {
-            drop(g);
-            // Our own mapping: undone here, the device never saw it.
-            drop(map);
-            route.failed(EFAULT, false);
-            return Err(fail!(
-                Cause::Revoked,
-                EFAULT,
-                "GPU memory freed while mapping"
-            ));
-        }
-        // Counted until the pin ends (under this lock, so that a revoke
-        // cannot end the pin in between).
-        g.charge = route.charge(self.range.len);
-        Ok(g.lc.map().map_or(0, |m| {
-            // SAFETY: `sg_head` is the core's table (caller).
-            unsafe { m.sg().publish(sg_head) };
-            m.sg().nents()
-        }))
+        drop(lost);
+        route.failed(EFAULT, false);
+        Err(fail!(
+            Cause::Revoked,
+            EFAULT,
+            "GPU memory freed while mapping"
+        ))
     }
 
     /// Maps the pages of `table` for `peer`: ourselves for non-persistent
