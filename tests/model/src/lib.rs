@@ -659,7 +659,7 @@ mod path_tests {
     #[test]
     fn host_bridges_and_numa_nodes() {
         let a = [hop(RP1, HopKind::RootPort)];
-        let b = [hop(0x2000_08, HopKind::RootPort)];
+        let b = [hop(0x0020_0008, HopKind::RootPort)];
         let ca = Chain {
             root: 0,
             numa: 0,
