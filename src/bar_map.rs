@@ -40,7 +40,7 @@ use crate::{
 /// undone exactly once, on drop; `dev` stays alive while the core keeps the
 /// registration (it holds the device until it released the registration,
 /// which waits for this mapping to be dropped).
-struct Iovas {
+pub(crate) struct Iovas {
     dev: NonNull<device>,
     runs: KVec<Segment>,
 }
@@ -56,10 +56,16 @@ impl Drop for Iovas {
 }
 
 /// A scatterlist over the client's own mappings of BAR pages.
+///
+/// # Invariants
+///
+/// While `iovas` is `Some`, every entry of `sg` lies in one of its mappings;
+/// once the device lost access (`iovas` taken), `sg` only holds addresses
+/// that nobody may use any more.
 pub(crate) struct BarMap {
     // Drop order: the scatterlist the core saw goes first, then the IOVAs.
     sg: SgTable,
-    _iovas: Iovas,
+    iovas: Option<Iovas>,
 }
 
 // SAFETY: the device pointer is only handed to the DMA API, callable from any
@@ -103,7 +109,25 @@ impl BarMap {
             )?;
         }
         let sg = SgTable::new(count, iovas.runs.iter().copied())?;
-        Ok(Self { sg, _iovas: iovas })
+        // INVARIANT: the scatterlist was built from exactly these runs.
+        Ok(Self {
+            sg,
+            iovas: Some(iovas),
+        })
+    }
+
+    /// The device lost access (the core revoked its mkey): the mappings, to
+    /// be undone by dropping them, outside any spinlock.
+    ///
+    /// The scatterlist itself stays until the core unmaps or releases: a core
+    /// may still read it until then. OFED 4.x walks it between `dma_map` and
+    /// arming the invalidation notifier, when a free callback only marks the
+    /// registration and returns (real-driver-behaviour.md, OFED 4.x
+    /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
+    /// uses it after the callback and KASAN reports it if it was freed.
+    pub(crate) fn take_device_access(&mut self) -> Option<Iovas> {
+        // INVARIANT: from here on `sg` is memory only.
+        self.iovas.take()
     }
 
     /// The scatterlist.

@@ -400,11 +400,12 @@ impl<R: Resources> Lifecycle<R> {
         }
     }
 
-    /// After the core's invalidate returned: the client's mapping, if the
-    /// core did not undo it from inside its invalidate.
-    pub(crate) fn revoked_map(&mut self) -> Option<R::Map> {
+    /// After the core's invalidate returned: the client's mapping, left in
+    /// place (the core may still read its scatterlist until it unmaps or
+    /// releases), for the caller to undo the device's access.
+    pub(crate) fn revoked_map_mut(&mut self) -> Option<&mut R::Map> {
         match &mut self.state {
-            State::Revoked(m) => m.take(),
+            State::Revoked(m) => m.as_mut(),
             _ => None,
         }
     }

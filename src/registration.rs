@@ -30,7 +30,10 @@ use kernel::{
 
 use crate::{
     accounting::Charge,
-    bar_map::BarMap,
+    bar_map::{
+        BarMap,
+        Iovas, //
+    },
     core_link::CoreLink,
     lifecycle::{
         Invalidate,
@@ -88,6 +91,16 @@ impl DeviceMap {
         match self {
             DeviceMap::Bar(m) => m.sg(),
             DeviceMap::Provider(m) => m.sg(),
+        }
+    }
+
+    /// After a revoke: the device's mappings, to undo now; the scatterlist
+    /// stays for the core (see [`BarMap::take_device_access`]). A persistent
+    /// pin has no free callback, so no revoke reaches its mapping.
+    fn take_device_access(&mut self) -> Option<Iovas> {
+        match self {
+            DeviceMap::Bar(m) => m.take_device_access(),
+            DeviceMap::Provider(_) => None,
         }
     }
 }
@@ -608,10 +621,16 @@ impl Revocable for Registration {
                     STATS.core_invalidations.add(1, Relaxed);
                     link.invalidate(ctx);
                 }
-                // The device lost access; undo our mapping unless the core
-                // did from inside its invalidate (legacy cores).
-                let map = self.inner.lock().lc.revoked_map();
-                drop(map);
+                // The device lost access: undo our DMA mappings unless the
+                // core did from inside its invalidate (legacy cores). The
+                // scatterlist stays until the core unmaps or releases.
+                let access = self
+                    .inner
+                    .lock()
+                    .lc
+                    .revoked_map_mut()
+                    .and_then(DeviceMap::take_device_access);
+                drop(access);
                 self.inner.lock().in_core = None;
                 self.core_left.notify_all();
             }

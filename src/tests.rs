@@ -408,9 +408,12 @@ mod lifecycle_tests {
         assert_eq!(l.phase(), Phase::Revoked);
         assert!(!l.callback_armed());
         assert_eq!(l.map(), None);
-        assert_eq!(l.revoked_map(), Some(MAP));
-        assert_eq!(l.revoked_map(), None);
-        assert_eq!(l.unmap(), None);
+        // The callback undoes the device's access; the map (its
+        // scatterlist) stays for the core until it unmaps or releases.
+        assert_eq!(l.revoked_map_mut().copied(), Some(MAP));
+        assert_eq!(l.revoked_map_mut().copied(), Some(MAP));
+        assert_eq!(l.unmap(), Some(MAP));
+        assert_eq!(l.revoked_map_mut(), None);
         assert_eq!(l.put_pages(), None);
         let r = l.release(OWNER);
         assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
@@ -421,7 +424,7 @@ mod lifecycle_tests {
         assert_eq!(l.invalidate(), (Invalidate::NotifyCore(CTX), Some(TABLE)));
         assert_eq!(l.unmap(), Some(MAP));
         assert_eq!(l.put_pages(), None);
-        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.revoked_map_mut(), None);
         assert!(l.release(OWNER).map.is_none());
 
         // Released before anyone undid it: release hands it back.
@@ -430,7 +433,7 @@ mod lifecycle_tests {
         let r = l.release(OWNER);
         assert_eq!(r.map, Some(MAP));
         assert!(r.unpin.is_none() && !r.orphaned);
-        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.revoked_map_mut(), None);
         assert_eq!(l.unmap(), None);
         assert_eq!(DROPS.load(Relaxed), 3);
     }
@@ -445,7 +448,7 @@ mod lifecycle_tests {
         assert_eq!(l.map_succeeded(MAP), Err(MAP));
         assert_eq!(l.phase(), Phase::Revoked);
         assert_eq!(l.map(), None);
-        assert_eq!(l.revoked_map(), None);
+        assert_eq!(l.revoked_map_mut(), None);
         assert_eq!(l.unmap(), None);
         l.map_failed();
         assert_eq!(l.phase(), Phase::Revoked);
@@ -540,7 +543,7 @@ mod lifecycle_tests {
             assert_eq!(l.map(), None);
             assert_eq!(l.unmap(), None);
             assert_eq!(l.put_pages(), None);
-            assert_eq!(l.revoked_map(), None);
+            assert_eq!(l.revoked_map_mut(), None);
             let r = l.release(OWNER);
             assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
             let (how, tok) = l.unpinned(true);
@@ -712,7 +715,7 @@ mod lifecycle_tests {
                 assert_eq!(l.phase(), moved(mapped, Phase::Bound));
                 let mut l = at();
                 assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
-                assert_eq!(l.revoked_map(), None);
+                assert_eq!(l.revoked_map_mut(), None);
 
                 // The free callback: drops the reference it consumes.
                 let mut l = at();
@@ -742,8 +745,14 @@ mod lifecycle_tests {
                 assert_eq!(drops() - before, usize::from(holds));
                 assert_eq!(l.phase(), next);
                 assert!(!l.callback_armed());
-                assert_eq!(l.revoked_map(), if mapped { Some(MAP) } else { None });
-                assert_eq!(l.revoked_map(), None);
+                assert_eq!(
+                    l.revoked_map_mut().copied(),
+                    if mapped { Some(MAP) } else { None }
+                );
+                assert_eq!(
+                    l.revoked_map_mut().copied(),
+                    if mapped { Some(MAP) } else { None }
+                );
                 assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
 
                 // release, by the owner and by another process: unpins only

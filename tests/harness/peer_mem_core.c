@@ -56,7 +56,8 @@
  *  - variant=1, OFED 4.x, for clients without PEER_MEM_INVALIDATE_UNMAPS:
  *    core_context is a ticket counted from 1 (0: the caller has no
  *    IB_PEER_MEM_INVAL_SUPP), assigned under the per-client mutex;
- *    get_page_size is read before dma_map; no mapping_lock: an invalidate
+ *    get_page_size is read before dma_map; mlx5 walks the client's
+ *    scatterlist before arming the notifier; no mapping_lock: an invalidate
  *    before activation only marks the umem and activation then fails the
  *    registration (-EINVAL) through a normal release; the invalidate runs
  *    under the per-client mutex, waits for the MR to be created, and the HCA
@@ -265,6 +266,7 @@ struct pmc_umem {
 	bool v4_peer_invalidated;	/* invalidated before activation */
 	bool v4_inflight;		/* an invalidate waits for a dereg */
 	bool v4_mr_live;		/* the MR was created */
+	u64 v4_mtt_bytes;		/* what mr_umem_get counted in the table */
 	atomic_t v4_invalidated;	/* mlx5 mr->invalidated */
 	struct completion v4_mr_ready;	/* mlx5_ib_peer_id->comp */
 	struct completion v4_dereg_done; /* mlx5 mr->invalidation_comp */
@@ -846,7 +848,10 @@ static void ofed4_dereg(struct pmc_umem *u)
 /*
  * 4.x peer_umem_get: no mapping_lock; get_page_size is read before dma_map
  * (4.x sets umem->page_shift from it). The SGE fix-up is kept so that the
- * harness's DMA works the same in both variants.
+ * harness's DMA works the same in both variants; its restore at release
+ * writes the client's scatterlist, which a 4.x core only reads (see
+ * ofed4_mr_umem_get): a client that frees its table in the free callback is
+ * caught either way.
  */
 static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_client *c,
 					    u64 flags)
@@ -897,6 +902,25 @@ err_umem:
 }
 
 /*
+ * 4.x mr_umem_get -> mlx5_ib_cont_pages: mlx5 walks the umem's scatterlist
+ * to size the MTT before the notifier is armed, with no lock of the core's
+ * held, so a free callback may run meanwhile and only mark the umem: the
+ * client's table must still be readable after its callback returned, until
+ * the core unmaps or releases. [OFED 4.1 hw/mlx5/mr.c mr_umem_get(),
+ * hw/mlx5/mem.c mlx5_ib_cont_pages()]
+ */
+static void ofed4_mr_umem_get(struct pmc_umem *u)
+{
+	struct scatterlist *sg;
+	unsigned int i;
+	u64 bytes = 0;
+
+	for_each_sg(u->sgt.sgl, sg, u->sgt.nents, i)
+		bytes += sg_dma_len(sg);
+	u->v4_mtt_bytes = bytes;
+}
+
+/*
  * 4.x mlx5_ib_reg_user_mr after the umem: activate the notifier (refused if
  * the peer invalidated meanwhile), create the mkey, then let a waiting
  * invalidate go on. On failure the umem goes through a normal release.
@@ -906,6 +930,7 @@ static int ofed4_hca_reg_mr(struct pmc_umem *u)
 	struct peer_client *c = u->client;
 	int err = 0;
 
+	ofed4_mr_umem_get(u);
 	if (u->xa_id != PEER_NO_TICKET) {
 		mutex_lock(&c->lock);
 		if (u->v4_peer_invalidated)

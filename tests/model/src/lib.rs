@@ -396,9 +396,9 @@ mod lifecycle_tests {
                 // across dma_map.
                 Op::CallbackLeaves if !matches!(self.call, Some(Call::Map(_))) => {
                     if let Some(id) = self.in_core.take() {
-                        if let Some(m) = self.lc.revoked_map() {
-                            self.give_back(m);
-                        }
+                        // The device's access ends here; the map itself is
+                        // handed back by the core's unmap or release.
+                        let _ = self.lc.revoked_map_mut();
                         self.pins.get_mut(&id).unwrap().table_freed = true;
                     }
                 }

@@ -290,6 +290,13 @@ struct DevMap {
     counters: std::sync::Arc<Counters>,
 }
 
+impl DevMap {
+    /// The client's own BAR mapping loses the device's access.
+    fn revoke_access(&mut self) {
+        assert!(self.provider.is_none(), "revoke reached a provider mapping");
+    }
+}
+
 impl Drop for DevMap {
     fn drop(&mut self) {
         if let Some(p) = &self.provider {
@@ -330,7 +337,7 @@ impl Drop for Reg {
     fn drop(&mut self) {
         let mut g = self.inner.lock().unwrap();
         assert!(
-            g.lc.map().is_none() && g.lc.revoked_map().is_none(),
+            g.lc.map().is_none() && g.lc.revoked_map_mut().is_none(),
             "registration freed with a DMA mapping"
         );
         drop(g);
@@ -462,8 +469,11 @@ impl Reg {
         };
         if let Invalidate::NotifyCore(ctx) = action {
             self.core.invalidate(ctx, self);
-            let map = self.inner.lock().unwrap().lc.revoked_map();
-            drop(map);
+            // The device's access ends; the map stays for the core until
+            // it unmaps or releases (`bar_map::take_device_access`).
+            if let Some(m) = self.inner.lock().unwrap().lc.revoked_map_mut() {
+                m.revoke_access();
+            }
             self.inner.lock().unwrap().in_core = None;
             self.core_left.notify_all();
         }
