@@ -67,6 +67,10 @@ module! {
             default: 0,
             description: "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)",
         },
+        path_accounting: i32 {
+            default: 1,
+            description: "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)",
+        },
     },
 }
 
@@ -98,6 +102,12 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
 /// The `path_policy` parameter.
 pub(crate) fn policy_parameter() -> i32 {
     module_parameters::path_policy.value()
+}
+
+/// The `path_accounting` parameter: whether registrations are charged per
+/// pair, GPU and process.
+pub(crate) fn accounting_parameter() -> bool {
+    module_parameters::path_accounting.value() != 0
 }
 
 /// This module's `struct module`.
@@ -139,6 +149,11 @@ fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f,
         "param_path_policy {}",
         module_parameters::path_policy.value()
+    )?;
+    writeln!(
+        f,
+        "param_path_accounting {}",
+        module_parameters::path_accounting.value()
     )
 }
 
@@ -165,6 +180,11 @@ impl kernel::Module for NvidiaPeermem {
         let policy = policy_parameter();
         if !(0..=5).contains(&policy) {
             pr_err!("invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n");
+            return Err(EINVAL);
+        }
+        let accounting = module_parameters::path_accounting.value();
+        if !(0..=1).contains(&accounting) {
+            pr_err!("invalid parameter path_accounting={accounting} (0 or 1)\n");
             return Err(EINVAL);
         }
         let dir = Dir::new(c"nvidia_peermem");

@@ -65,6 +65,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "param_path_policy",
         "path policy: 0 = allow all; 1..5 = refuse paths worse than PIX, PXB, PHB, NODE, SYS",
     ),
+    (
+        "param_path_accounting",
+        "per pair, GPU and process accounting: 1 = on, 0 = off",
+    ),
 ];
 
 /// The description of a known counter or `param_*` line.
