@@ -18,7 +18,8 @@
 TOP := $(abspath $(dir $(lastword $(MAKEFILE_LIST))))
 PEERMEM_CACHE ?= $(HOME)/.cache/peermem-rs
 export PEERMEM_CACHE
-WORK := $(PEERMEM_CACHE)/work
+# The series' work folder (scripts/lib.sh passes it into the build root).
+WORK := $(or $(PEERMEM_WORK),$(PEERMEM_CACHE)/work)
 
 HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench cargo-test e2e-bin
 .DEFAULT_GOAL := all

@@ -1,20 +1,26 @@
 # SPDX-License-Identifier: GPL-2.0 OR MIT
 # Shared shell helpers for the peermem-rs scripts. Source it, do not run it.
 
-# The one place that names the kernel series. Moving to the next series is this
-# line plus whatever code the new series needs.
-KERNEL_SERIES=7.3
-
-# The Debian suite of the build root (its kernel comes from <suite>-backports).
-ROOT_SUITE=trixie
-
 TOP=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${PEERMEM_CACHE:-$HOME/.cache/peermem-rs}
-ROOT=$CACHE/root-$ROOT_SUITE
-WORK=$CACHE/work
 
 die() { echo "error: $*" >&2; exit 1; }
 say() { echo "==> $*" >&2; }
+
+# The supported kernel series are data: scripts/kernel-series. PEERMEM_SERIES
+# selects one (default: the main series, the first line); everything below
+# follows from it.
+all_series() { awk '!/^#/ && NF >= 3 {print $1}' "$TOP/scripts/kernel-series"; }
+MAIN_SERIES=$(all_series | head -n1)
+PEERMEM_SERIES=${PEERMEM_SERIES:-$MAIN_SERIES}
+read -r KERNEL_SERIES ROOT_SUITE KERNEL_SUITE < <(
+	awk -v s="$PEERMEM_SERIES" '!/^#/ && $1 == s {print $1, $2, $3}' "$TOP/scripts/kernel-series") ||
+	die "kernel series '$PEERMEM_SERIES' is not listed in scripts/kernel-series ($(all_series | tr '\n' ' '))"
+export PEERMEM_SERIES
+ROOT=$CACHE/root-$ROOT_SUITE
+# The main series keeps the cache's work folder; others have one inside it.
+series_work() { if [ "$1" = "$MAIN_SERIES" ]; then echo "$CACHE/work"; else echo "$CACHE/work/series-$1"; fi; }
+WORK=$(series_work "$KERNEL_SERIES")
 
 # Elapsed-time stamp for stage reports.
 stage_start() { STAGE_T0=$(date +%s); say "$1"; }
@@ -28,8 +34,8 @@ in_root() {
 	mkdir -p "$WORK"
 	unshare -m --propagation private bash -c '
 		set -e
-		r=$1 top=$2 work=$3 cwd=$4 cache=$5
-		shift 5
+		r=$1 top=$2 work=$3 cwd=$4 cache=$5 series=$6
+		shift 6
 		mount -t proc proc "$r/proc"
 		mount --rbind /dev "$r/dev"
 		mkdir -p "$r$top" "$r$work"
@@ -41,7 +47,7 @@ in_root() {
 		case "$cwd" in "$top"*|"$work"*) ;; *) cwd=$top ;; esac
 		exec chroot "$r" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
 			PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-			PEERMEM_IN_ROOT=1 PEERMEM_CACHE="$cache" \
+			PEERMEM_IN_ROOT=1 PEERMEM_CACHE="$cache" PEERMEM_SERIES="$series" PEERMEM_WORK="$work" \
 			bash -c "cd \"\$0\" && exec \"\$@\"" "$cwd" "$@"
-	' in_root "$ROOT" "$TOP" "$WORK" "$PWD" "$CACHE" "$@"
+	' in_root "$ROOT" "$TOP" "$WORK" "$PWD" "$CACHE" "$KERNEL_SERIES" "$@"
 }

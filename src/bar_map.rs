@@ -25,7 +25,7 @@ use crate::{
         Runs,
         Segment, //
     },
-    ffi,
+    compat, ffi,
     p2p::PageView,
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
@@ -78,7 +78,7 @@ impl BarMap {
         if pages.coherent() {
             // No BAR behind coherent memory: only the GPU driver knows how
             // to map it, and it takes its lock to do so.
-            return Err(EOPNOTSUPP);
+            return Err(compat::eopnotsupp());
         }
         let n = pages.len();
         if (0..n).any(|i| pages.physical_address(i).is_none()) {

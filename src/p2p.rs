@@ -18,7 +18,7 @@ use kernel::{
 };
 
 use crate::{
-    ffi,
+    compat, ffi,
     range::{
         GpuRange,
         GPU_PAGE_SIZE, //
@@ -58,8 +58,8 @@ pub(crate) fn provider_error(rc: i32) -> Error {
         return EIO;
     }
     let e = Error::from_errno(rc);
-    if e == ENOTSUPP || e == EOPNOTSUPP {
-        EOPNOTSUPP
+    if e == ENOTSUPP || e == compat::eopnotsupp() {
+        compat::eopnotsupp()
     } else if [
         EINVAL, ENOMEM, EFAULT, EBUSY, EIO, ENODEV, EPERM, EAGAIN, ENOENT,
     ]

@@ -22,6 +22,7 @@ mod accounting;
 mod bar_map;
 mod client;
 mod coalesce;
+mod compat;
 mod core_link;
 mod ffi;
 mod lifecycle;
@@ -77,9 +78,14 @@ module! {
 /// `version=` in `.modinfo`, so that `/sys/module/nvidia_peermem/version`
 /// exists: NCCL, UCX and others detect GPUDirect RDMA by that file. The
 /// `module!` macro has no version key.
+///
+/// `used(compiler)`, as the kernel's own `module!` entries: a plain `#[used]`
+/// means `used(linker)` on newer rustc (1.97 here), which puts the entry in a
+/// second, SHF_GNU_RETAIN `.modinfo` section; the loader reads only the first
+/// one, misses `vermagic` and refuses the module ("invalid module format").
 #[cfg(MODULE)]
 #[link_section = ".modinfo"]
-#[used]
+#[used(compiler)]
 static MODINFO_VERSION: [u8; MODINFO_VERSION_LEN] = modinfo_version();
 
 const MODINFO_VERSION_LEN: usize = "version=".len() + env!("PEERMEM_VERSION").len() + 1;
@@ -101,18 +107,18 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
 
 /// The `path_policy` parameter.
 pub(crate) fn policy_parameter() -> i32 {
-    module_parameters::path_policy.value()
+    compat::param(module_parameters::path_policy.value())
 }
 
 /// The `path_accounting` parameter: whether registrations are charged per
 /// pair, GPU and process.
 pub(crate) fn accounting_parameter() -> bool {
-    module_parameters::path_accounting.value() != 0
+    compat::param::<i32>(module_parameters::path_accounting.value()) != 0
 }
 
 /// This module's `struct module`.
 pub(crate) fn this_module() -> *mut bindings::module {
-    kernel::module::this_module::<LocalModule>().as_ptr()
+    compat::this_module()
 }
 
 /// The module: its core registrations and its debugfs files.
@@ -138,22 +144,22 @@ fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
     writeln!(
         f,
         "param_persistent_api_support {}",
-        module_parameters::persistent_api_support.value()
+        compat::param::<i32>(module_parameters::persistent_api_support.value())
     )?;
     writeln!(
         f,
         "param_peerdirect_support {}",
-        module_parameters::peerdirect_support.value()
+        compat::param::<i32>(module_parameters::peerdirect_support.value())
     )?;
     writeln!(
         f,
         "param_path_policy {}",
-        module_parameters::path_policy.value()
+        compat::param::<i32>(module_parameters::path_policy.value())
     )?;
     writeln!(
         f,
         "param_path_accounting {}",
-        module_parameters::path_accounting.value()
+        compat::param::<i32>(module_parameters::path_accounting.value())
     )
 }
 
@@ -171,8 +177,8 @@ fn show_processes(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
-        let persistent = module_parameters::persistent_api_support.value();
-        let legacy = module_parameters::peerdirect_support.value();
+        let persistent: i32 = compat::param(module_parameters::persistent_api_support.value());
+        let legacy: i32 = compat::param(module_parameters::peerdirect_support.value());
         if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
@@ -182,7 +188,7 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n");
             return Err(EINVAL);
         }
-        let accounting = module_parameters::path_accounting.value();
+        let accounting: i32 = compat::param(module_parameters::path_accounting.value());
         if !(0..=1).contains(&accounting) {
             pr_err!("invalid parameter path_accounting={accounting} (0 or 1)\n");
             return Err(EINVAL);

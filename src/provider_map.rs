@@ -6,6 +6,7 @@
 use kernel::prelude::*;
 
 use crate::{
+    compat,
     p2p::{
         DmaMapping,
         PageTable, //
@@ -61,7 +62,7 @@ impl ProviderMap {
             Some(m) => match unsafe { m.addresses(entries) } {
                 Err(m) => Err(fail!(
                     Cause::DmaMapping,
-                    EOPNOTSUPP,
+                    compat::eopnotsupp(),
                     "unsupported NVIDIA DMA mapping: {m:?}"
                 )),
                 Ok(addrs) => SgTable::coalesced(addrs, GPU_PAGE_SIZE, this.peer.max_segment())

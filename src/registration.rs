@@ -34,6 +34,7 @@ use crate::{
         BarMap,
         Iovas, //
     },
+    compat,
     core_link::CoreLink,
     lifecycle::{
         Invalidate,
@@ -163,7 +164,7 @@ impl WorkItem for Registration {
 
 /// The calling process, as the GPU driver identifies a pin's owner.
 fn current_tgid() -> u32 {
-    kernel::current!().tgid() as u32
+    compat::current_tgid()
 }
 
 /// The calling task, compared only.
@@ -220,13 +221,13 @@ impl Registration {
             Ok(()) => Ok(reg),
             // The GPU driver refuses persistent pins (MIG, vGPU): the memory
             // is its, so say why instead of the core's "Bad address".
-            Err(e) if e == EOPNOTSUPP && mode == Mode::Persistent => {
+            Err(e) if e == compat::eopnotsupp() && mode == Mode::Persistent => {
                 kernel::pr_warn_once!("the GPU driver does not support persistent pins here (MIG or vGPU?): registrations fail with EOPNOTSUPP; load with persistent_api_support=0\n");
                 reg.inner.lock().pin_error = Some(e);
                 Ok(reg)
             }
             // Not GPU memory, or not this process's: not ours.
-            Err(e) if e == EINVAL || e == EOPNOTSUPP || e == EFAULT => Err(e),
+            Err(e) if e == EINVAL || e == compat::eopnotsupp() || e == EFAULT => Err(e),
             // The GPU driver's memory, which it cannot pin now: ours, failing.
             Err(e) => {
                 reg.inner.lock().pin_error = Some(e);
@@ -319,7 +320,7 @@ impl Registration {
                 g.lc.reject();
                 Err(fail!(
                     Cause::PageTable,
-                    EOPNOTSUPP,
+                    compat::eopnotsupp(),
                     "unsupported NVIDIA page table: {m:?}"
                 ))
             }
@@ -449,7 +450,7 @@ impl Registration {
                 BarMap::new(&pages, &peer)
                     .map(DeviceMap::Bar)
                     .map_err(|e| match e {
-                        e if e == EOPNOTSUPP => fail!(
+                        e if e == compat::eopnotsupp() => fail!(
                             Cause::PageTable,
                             e,
                             "coherent GPU memory cannot be mapped without the GPU driver's lock; use persistent_api_support=1"

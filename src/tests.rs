@@ -806,6 +806,7 @@ mod lifecycle_tests {
 
 #[kunit_tests(nvidia_peermem_p2p)]
 mod p2p_tests {
+    use crate::compat;
     use crate::p2p::{
         dma_mapping_version_ok,
         page_table_version_ok,
@@ -835,8 +836,8 @@ mod p2p_tests {
 
     #[test]
     fn provider_errors_never_leak_enotsupp() {
-        assert_eq!(provider_error(-524), EOPNOTSUPP);
-        assert_eq!(provider_error(-95), EOPNOTSUPP);
+        assert_eq!(provider_error(-524), compat::eopnotsupp());
+        assert_eq!(provider_error(-95), compat::eopnotsupp());
         assert_eq!(provider_error(-12), ENOMEM);
         assert_eq!(provider_error(-22), EINVAL);
         assert_eq!(provider_error(-16), EBUSY);

@@ -14,7 +14,7 @@ use crate::{
         Gpu,
         Pair, //
     },
-    ffi,
+    compat, ffi,
     path::{
         self,
         Chain,
@@ -191,7 +191,7 @@ impl Route {
             return;
         };
         pair.failed(-e.to_errno());
-        if by_driver_map && e == EOPNOTSUPP && pair.first_refusal() {
+        if by_driver_map && e == compat::eopnotsupp() && pair.first_refusal() {
             pr_err!(
                 "nvidia_p2p_dma_map_pages refused GPU {} and peer {} (path {}): the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n",
                 Bdf(self.gpu.map_or(0, |g| g.id)),
@@ -211,7 +211,7 @@ impl Route {
         let mut comm = [0u8; 16];
         // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
         unsafe { ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
-        let tgid = kernel::current!().tgid() as u32;
+        let tgid = compat::current_tgid();
         Some(accounting::charge(pair, gpu, tgid, &comm, bytes))
     }
 }
