@@ -673,7 +673,9 @@ fn scenario(run: &mut Run, expect: &Expect, policy: Option<usize>) -> Result<(),
         match pr {
             None if total_live == 0 => Ok("no live registration, no line".to_string()),
             None if !acct => Ok("path_accounting=0: no line".to_string()),
-            Some(_) if !acct => Err(format!("path_accounting=0, yet a processes line for tgid {tgid}")),
+            Some(_) if !acct => Err(format!(
+                "path_accounting=0, yet a processes line for tgid {tgid}"
+            )),
             None => Err(format!("no processes line for tgid {tgid}")),
             Some(f) => {
                 let (live, pin) = (num(&f, "live")?, num(&f, "pinned_bytes")?);
