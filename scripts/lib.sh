@@ -22,6 +22,10 @@ ROOT=$CACHE/root-$ROOT_SUITE
 series_work() { if [ "$1" = "$MAIN_SERIES" ]; then echo "$CACHE/work"; else echo "$CACHE/work/series-$1"; fi; }
 WORK=$(series_work "$KERNEL_SERIES")
 
+# What the checkout holds now (commit and uncommitted changes): results made
+# in another build root are only counted for the source they were made from.
+source_stamp() { (cd "$TOP" && { git rev-parse HEAD; git status --porcelain; git diff; } 2>/dev/null | md5sum | cut -c1-16); }
+
 # Elapsed-time stamp for stage reports.
 stage_start() { STAGE_T0=$(date +%s); say "$1"; }
 stage_end() { say "$1 done in $(( $(date +%s) - STAGE_T0 )) s"; }
