@@ -162,11 +162,6 @@ impl WorkItem for Registration {
     }
 }
 
-/// The calling process, as the GPU driver identifies a pin's owner.
-fn current_tgid() -> u32 {
-    compat::current_tgid()
-}
-
 /// The calling task, compared only.
 fn current_task() -> usize {
     kernel::current!().as_ptr() as usize
@@ -243,7 +238,7 @@ impl Registration {
 
     fn pin(self: &Arc<Self>) -> Result {
         self.inner.lock().lc.start_pin().map_err(|_| EINVAL)?;
-        let owner = current_tgid();
+        let owner = compat::current_tgid();
         let pinned = match self.mode {
             Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|table| Pin {
                 table,
@@ -372,18 +367,19 @@ impl Registration {
 
     /// Moves Bound to Mapping and returns the table to map, marking it in
     /// use until [`Registration::finish_map`].
+    ///
+    /// The alias is sound while `mapper` is set: a free callback that comes
+    /// meanwhile waits for it in `revoke` before it returns, and the provider
+    /// frees the table only after its callback returns
+    /// (real-driver-behaviour.md, fact 2; scenario `free_races_registration`,
+    /// and the `ofed4` mode, whose core holds no lock across `dma_map`). The
+    /// alias does not outlive `dma_map`, except inside a persistent mapping,
+    /// whose table is unpinned only after the mapping is dropped.
     fn start_map(&self) -> Result<PageTable> {
         let mut g = self.inner.lock();
         let t = g.lc.start_map().map_err(|r| refused(r, "dma_map"))?;
-        // SAFETY: Bound became Mapping, so the table is pinned and was
-        // checked by `get_pages`. It stays valid until `mapper` is cleared:
-        // a free callback that comes meanwhile waits for that in `revoke`
-        // before it returns, and the provider frees the table only after
-        // its callback returns (real-driver-behaviour.md, fact 2; scenario
-        // `free_races_registration`, and the `ofed4` mode, whose core holds
-        // no lock across `dma_map`). The alias does not outlive `dma_map`,
-        // except inside a persistent mapping, whose table is unpinned only
-        // after the mapping is dropped.
+        // SAFETY: Bound became Mapping: the table is pinned, was checked by
+        // `get_pages`, and outlives the alias (see above).
         let t = unsafe { t.alias() };
         g.mapper = true;
         Ok(t)
@@ -493,7 +489,7 @@ impl Registration {
             while g.in_core.is_some_and(|t| t != me) {
                 self.core_left.wait(&mut g);
             }
-            g.lc.release(current_tgid())
+            g.lc.release(compat::current_tgid())
         };
         drop(r.map);
         if r.orphaned {
