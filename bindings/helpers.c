@@ -17,8 +17,7 @@
 #include "nv-p2p.h"
 #include "peer_mem.h"
 
-unsigned int peermem_dma_max_seg_size(struct device *dev);
-struct pci_dev *peermem_to_pci_dev(struct device *dev);
+struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg);
 bool peermem_dbg(const char *msg);
 int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
@@ -49,21 +48,25 @@ struct peermem_chain {
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
-u32 peermem_dev_id(struct device *dev);
-void peermem_current_comm(char *buf);
+u32 peermem_current_id(char *comm);
 
-/* The device's DMA segment limit (static inline in dma-mapping.h). */
-unsigned int peermem_dma_max_seg_size(struct device *dev)
-{
-	return dma_get_max_seg_size(dev);
-}
+static u32 peermem_pci_id(struct pci_dev *pdev);
 
-/* The PCI device behind @dev, or NULL when @dev is not a PCI device. */
-struct pci_dev *peermem_to_pci_dev(struct device *dev)
+/*
+ * The PCI device behind @dev, or NULL when @dev is not a PCI device; with its
+ * PCI address (as in struct peermem_hop) and DMA segment limit
+ * (dma_get_max_seg_size is static inline). One call per dma_map.
+ */
+struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg)
 {
+	struct pci_dev *pdev;
+
 	if (!dev || !dev_is_pci(dev))
 		return NULL;
-	return to_pci_dev(dev);
+	pdev = to_pci_dev(dev);
+	*id = peermem_pci_id(pdev);
+	*max_seg = dma_get_max_seg_size(dev);
+	return pdev;
 }
 
 /*
@@ -194,16 +197,14 @@ int peermem_chain_of(struct device *dev, struct peermem_chain *out)
 	return 0;
 }
 
-/* The PCI address of the PCI device behind @dev (as in struct peermem_hop). */
-u32 peermem_dev_id(struct device *dev)
+/*
+ * The calling process: its tgid, and its name into @comm (TASK_COMM_LEN
+ * bytes, NUL-terminated).
+ */
+u32 peermem_current_id(char *comm)
 {
-	return dev && dev_is_pci(dev) ? peermem_pci_id(to_pci_dev(dev)) : 0;
-}
-
-/* The calling process's name, TASK_COMM_LEN bytes, NUL-terminated. */
-void peermem_current_comm(char *buf)
-{
-	strscpy_pad(buf, current->group_leader->comm, TASK_COMM_LEN);
+	strscpy_pad(comm, current->group_leader->comm, TASK_COMM_LEN);
+	return task_tgid_nr(current);
 }
 
 /* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */

@@ -36,6 +36,10 @@ stage_end() { say "$1 done in $(( $(date +%s) - STAGE_T0 )) s"; }
 in_root() {
 	[ -f "$ROOT/.peermem-ready" ] || die "the build root is missing or half-made; run scripts/setup"
 	mkdir -p "$WORK"
+	# The documented knobs (PEERMEM_BENCH_*, PEERMEM_STRESS_OPS, ...) reach
+	# the command; nothing else of the host's environment does.
+	local knobs=()
+	while IFS= read -r kv; do knobs+=("$kv"); done < <(env | grep -E '^PEERMEM_(BENCH|STRESS|KCSAN)_[A-Z_]*=' || true)
 	unshare -m --propagation private bash -c '
 		set -e
 		r=$1 top=$2 work=$3 cwd=$4 cache=$5 series=$6
@@ -53,5 +57,5 @@ in_root() {
 			PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
 			PEERMEM_IN_ROOT=1 PEERMEM_CACHE="$cache" PEERMEM_SERIES="$series" PEERMEM_WORK="$work" \
 			bash -c "cd \"\$0\" && exec \"\$@\"" "$cwd" "$@"
-	' in_root "$ROOT" "$TOP" "$WORK" "$PWD" "$CACHE" "$KERNEL_SERIES" "$@"
+	' in_root "$ROOT" "$TOP" "$WORK" "$PWD" "$CACHE" "$KERNEL_SERIES" /usr/bin/env "${knobs[@]}" "$@"
 }

@@ -32,6 +32,22 @@ use crate::{
     sg::SgTable,
 };
 
+/// The mapped runs: one inline (a contiguous registration, the common case,
+/// costs no allocation), or a vector.
+enum Mapped {
+    One(Segment),
+    Many(KVec<Segment>),
+}
+
+impl Mapped {
+    fn as_slice(&self) -> &[Segment] {
+        match self {
+            Mapped::One(s) => core::slice::from_ref(s),
+            Mapped::Many(v) => v,
+        }
+    }
+}
+
 /// DMA mappings of BAR runs for one device, undone on drop.
 ///
 /// # Invariants
@@ -42,12 +58,28 @@ use crate::{
 /// which waits for this mapping to be dropped).
 pub(crate) struct Iovas {
     dev: NonNull<device>,
-    runs: KVec<Segment>,
+    runs: Mapped,
+}
+
+impl Iovas {
+    /// Records a run just mapped; `count` runs are expected in all, and a
+    /// vector of that capacity was reserved when `count > 1`.
+    fn record(&mut self, seg: Segment, count: usize) -> Result {
+        match &mut self.runs {
+            Mapped::Many(v) if count == 1 && v.is_empty() => {
+                self.runs = Mapped::One(seg);
+                Ok(())
+            }
+            // Capacity was reserved: no allocation happens here.
+            Mapped::Many(v) => Ok(v.push(seg, GFP_ATOMIC)?),
+            Mapped::One(_) => Err(EINVAL),
+        }
+    }
 }
 
 impl Drop for Iovas {
     fn drop(&mut self) {
-        for r in self.runs.iter() {
+        for r in self.runs.as_slice() {
             // SAFETY: mapped for `dev` by `peermem_map_bar`, undone once
             // (type invariant).
             unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), r.addr, r.len) };
@@ -89,7 +121,11 @@ impl BarMap {
         let count = Runs::new(n, addr, GPU_PAGE_SIZE, max).count();
         let mut iovas = Iovas {
             dev: NonNull::new(peer.dev()).ok_or(EINVAL)?,
-            runs: KVec::with_capacity(count, GFP_KERNEL)?,
+            runs: Mapped::Many(if count == 1 {
+                KVec::new()
+            } else {
+                KVec::with_capacity(count, GFP_KERNEL)?
+            }),
         };
         for run in Runs::new(n, addr, GPU_PAGE_SIZE, max) {
             let mut dma = 0u64;
@@ -98,17 +134,20 @@ impl BarMap {
             kernel::error::to_result(unsafe {
                 ffi::peermem_map_bar(iovas.dev.as_ptr(), run.addr, run.len, &mut dma)
             })?;
+            let seg = Segment {
+                addr: dma,
+                len: run.len,
+            };
             // INVARIANT: mapped just now; on a later failure `iovas` drops and
-            // unmaps it. Capacity was reserved, so this cannot fail.
-            iovas.runs.push(
-                Segment {
-                    addr: dma,
-                    len: run.len,
-                },
-                GFP_ATOMIC,
-            )?;
+            // unmaps it. `record` cannot fail for the `count` runs `Runs`
+            // yields; if it did, this run would not be undone, so undo it.
+            if let Err(e) = iovas.record(seg, count) {
+                // SAFETY: mapped just above for this device, not recorded.
+                unsafe { ffi::peermem_unmap_bar(iovas.dev.as_ptr(), dma, run.len) };
+                return Err(e);
+            }
         }
-        let sg = SgTable::new(count, iovas.runs.iter().copied())?;
+        let sg = SgTable::new(count, iovas.runs.as_slice().iter().copied())?;
         // INVARIANT: the scatterlist was built from exactly these runs.
         Ok(Self {
             sg,

@@ -47,10 +47,14 @@ pub(crate) use generated::*;
 // pointers to it.
 #[allow(improper_ctypes)]
 extern "C" {
-    /// The DMA segment limit of `dev` (`dma_get_max_seg_size`).
-    pub(crate) fn peermem_dma_max_seg_size(dev: *mut device) -> c_uint;
-    /// The PCI device behind `dev`, or NULL if `dev` is NULL or not PCI.
-    pub(crate) fn peermem_to_pci_dev(dev: *mut device) -> *mut pci_dev;
+    /// The PCI device behind `dev`, or NULL if `dev` is NULL or not PCI;
+    /// then also its PCI address (as in [`PeermemHop`]) in `id` and its DMA
+    /// segment limit (`dma_get_max_seg_size`) in `max_seg`.
+    pub(crate) fn peermem_peer_of(
+        dev: *mut device,
+        id: *mut u32,
+        max_seg: *mut c_uint,
+    ) -> *mut pci_dev;
     /// Whether the module's dynamic-debug call site is enabled; prints `msg`
     /// (NUL-terminated, or NULL for none) through it if so.
     pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
@@ -76,10 +80,8 @@ extern "C" {
     /// How an IOMMU treats `dev`'s DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ,
     /// 4 other.
     pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
-    /// The PCI address of the PCI device behind `dev`, or 0.
-    pub(crate) fn peermem_dev_id(dev: *mut device) -> u32;
-    /// The calling process's name into a 16-byte buffer.
-    pub(crate) fn peermem_current_comm(buf: *mut c_char);
+    /// The calling process's tgid; its name into a 16-byte buffer.
+    pub(crate) fn peermem_current_id(comm: *mut c_char) -> u32;
 }
 
 /// `struct peermem_hop` of the C shim.

@@ -24,6 +24,10 @@ use crate::ffi;
 pub(crate) struct PeerDevice {
     dev: NonNull<device>,
     pdev: NonNull<pci_dev>,
+    /// Its PCI address (domain << 16 | bus << 8 | devfn).
+    id: u32,
+    /// Its DMA segment limit.
+    max_seg: u32,
 }
 
 // SAFETY: the pointers are only handed back to the provider and the DMA API,
@@ -36,6 +40,8 @@ impl Clone for PeerDevice {
         Self {
             dev: self.dev,
             pdev: self.pdev,
+            id: self.id,
+            max_seg: self.max_seg,
         }
     }
 }
@@ -49,17 +55,28 @@ impl PeerDevice {
     /// registration is mapped for it.
     pub(crate) unsafe fn new(dev: *mut device) -> Option<Self> {
         let dev = NonNull::new(dev)?;
+        let (mut id, mut max_seg) = (0, 0);
         // SAFETY: `dev` is a live device (caller); the helper checks the bus
-        // before converting.
-        let pdev = NonNull::new(unsafe { ffi::peermem_to_pci_dev(dev.as_ptr()) })?;
+        // before converting; valid out-pointers.
+        let pdev = unsafe { ffi::peermem_peer_of(dev.as_ptr(), &mut id, &mut max_seg) };
+        let pdev = NonNull::new(pdev)?;
         // INVARIANT: `pdev` is `dev`'s pci_dev, alive as long as `dev` is.
-        Some(Self { dev, pdev })
+        Some(Self {
+            dev,
+            pdev,
+            id,
+            max_seg,
+        })
     }
 
     /// The device's largest DMA segment: scatterlist entries must not exceed it.
     pub(crate) fn max_segment(&self) -> u64 {
-        // SAFETY: `dev` is alive (type invariant).
-        u64::from(unsafe { ffi::peermem_dma_max_seg_size(self.dev.as_ptr()) })
+        u64::from(self.max_seg)
+    }
+
+    /// Its PCI address (domain << 16 | bus << 8 | devfn).
+    pub(crate) fn id(&self) -> u32 {
+        self.id
     }
 
     /// The generic device, for the kernel's DMA API.

@@ -16,6 +16,10 @@ use kernel::{
     prelude::*,
     sync::{
         atomic::Relaxed,
+        lock::{
+            spinlock::SpinLockBackend,
+            Guard, //
+        },
         Arc,
         CondVar,
         SpinLock, //
@@ -127,6 +131,9 @@ struct Inner {
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
+    /// Tasks waiting on `core_left`: wake-ups are sent only when there are
+    /// some (a registration without races never calls into the wait queue).
+    waiters: u32,
     /// What the registration is counted under per pair, GPU and process,
     /// from its mapping until its pin ends.
     charge: Option<Charge>,
@@ -194,16 +201,21 @@ impl Registration {
                 )
             })?;
         let live = Liveness::new()?;
+        // Pinning starts before the object is shared (nobody else can see
+        // it yet, so no lock is needed to move it to Pinning).
+        let mut lc = Lifecycle::new();
+        lc.start_pin().map_err(|_| EINVAL)?;
         let reg = Arc::pin_init(
             pin_init!(Self {
                 mode,
                 range,
                 link,
                 inner <- new_spinlock!(Inner {
-                    lc: Lifecycle::new(),
+                    lc,
                     pin_error: None,
                     in_core: None,
                     mapper: false,
+                    waiters: 0,
                     charge: None,
                 }),
                 core_left <- new_condvar!(),
@@ -236,8 +248,8 @@ impl Registration {
         claimed
     }
 
+    /// Pins the range; the lifecycle is in Pinning already (see `acquire`).
     fn pin(self: &Arc<Self>) -> Result {
-        self.inner.lock().lc.start_pin().map_err(|_| EINVAL)?;
         let owner = compat::current_tgid();
         let pinned = match self.mode {
             Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|table| Pin {
@@ -400,7 +412,7 @@ impl Registration {
         let lost = {
             let mut g = self.inner.lock();
             g.mapper = false;
-            self.core_left.notify_all();
+            self.wake(&g);
             let map = match made {
                 Ok(m) => m,
                 Err(e) => {
@@ -487,7 +499,7 @@ impl Registration {
         let r = {
             let mut g = self.inner.lock();
             while g.in_core.is_some_and(|t| t != me) {
-                self.core_left.wait(&mut g);
+                self.wait(&mut g);
             }
             g.lc.release(compat::current_tgid())
         };
@@ -506,6 +518,21 @@ impl Registration {
         }
         STATS.live.fetch_sub(1, Relaxed);
         STATS.releases.add(1, Relaxed);
+    }
+
+    /// Waits on `core_left`, counted in `waiters` so that wakers know.
+    fn wait(&self, g: &mut Guard<'_, Inner, SpinLockBackend>) {
+        g.waiters += 1;
+        self.core_left.wait(g);
+        g.waiters -= 1;
+    }
+
+    /// Wakes the waiters of `core_left`, if any (the caller holds the lock
+    /// and changed what they wait for).
+    fn wake(&self, g: &Inner) {
+        if g.waiters > 0 {
+            self.core_left.notify_all();
+        }
     }
 
     /// Unpins at the provider and settles the callback's reference.
@@ -593,7 +620,7 @@ impl Revocable for Registration {
             // soon as we return, so wait (it takes no lock of the provider's
             // and sees the revoke when it finishes).
             while g.mapper {
-                self.core_left.wait(&mut g);
+                self.wait(&mut g);
             }
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
             (action, ended, if ended { g.charge.take() } else { None })
@@ -628,8 +655,9 @@ impl Revocable for Registration {
                     .revoked_map_mut()
                     .and_then(DeviceMap::take_device_access);
                 drop(access);
-                self.inner.lock().in_core = None;
-                self.core_left.notify_all();
+                let mut g = self.inner.lock();
+                g.in_core = None;
+                self.wake(&g);
             }
             Invalidate::Reaped { orphaned: true } => {
                 STATS.orphaned_pins.fetch_sub(1, Relaxed);

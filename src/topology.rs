@@ -122,8 +122,7 @@ fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
 impl Route {
     /// The route of pages starting at bus address `phys` to `peer`.
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
-        // SAFETY: a live device (the `PeerDevice` invariant).
-        let peer_id = unsafe { ffi::peermem_dev_id(peer.dev()) };
+        let peer_id = peer.id();
         let Some((gpu, chain)) = find_gpu(phys) else {
             return Self {
                 gpu: None,
@@ -210,8 +209,7 @@ impl Route {
         let gpu = self.gpu?;
         let mut comm = [0u8; 16];
         // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
-        unsafe { ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
-        let tgid = compat::current_tgid();
+        let tgid = unsafe { ffi::peermem_current_id(comm.as_mut_ptr().cast()) };
         Some(accounting::charge(pair, gpu, tgid, &comm, bytes))
     }
 }

@@ -186,6 +186,57 @@ static void client_time(u64 t0)
 		atomic64_add(ktime_get_ns() - t0, &st_client_ns);
 }
 
+/*
+ * Every call into the client goes through one of these: a frame of its own
+ * per operation, so that an ftrace function_graph of the core's ioctls shows
+ * exactly what each client callback costs (make bench's profile), whether
+ * the client's own functions are traceable or not (Rust ones are not).
+ */
+static noinline int pmc_client_acquire(const struct peer_memory_client *ops, unsigned long addr,
+				       size_t size, void **ctx)
+{
+	return ops->acquire(addr, size, NULL, NULL, ctx);
+}
+
+static noinline int pmc_client_get_pages(const struct peer_memory_client *ops, unsigned long addr,
+					 size_t size, int write, int force, void *ctx,
+					 u64 core_context)
+{
+	return ops->get_pages(addr, size, write, force, NULL, ctx, core_context);
+}
+
+static noinline int pmc_client_dma_map(const struct peer_memory_client *ops, struct sg_table *sgt,
+				       void *ctx, struct device *dev, int *nmap)
+{
+	return ops->dma_map(sgt, ctx, dev, 0, nmap);
+}
+
+static noinline int pmc_client_dma_unmap(const struct peer_memory_client *ops,
+					 struct sg_table *sgt, void *ctx, struct device *dev)
+{
+	return ops->dma_unmap(sgt, ctx, dev);
+}
+
+static noinline int pmc_client_put_pages(const struct peer_memory_client *ops,
+					 struct sg_table *sgt, void *ctx)
+{
+	ops->put_pages(sgt, ctx);
+	return 0;
+}
+
+static noinline unsigned long pmc_client_get_page_size(const struct peer_memory_client *ops,
+						       void *ctx)
+{
+	return ops->get_page_size ? ops->get_page_size(ctx) : PAGE_SIZE;
+}
+
+static noinline int pmc_client_release(const struct peer_memory_client *ops, void *ctx)
+{
+	if (ops->release)
+		ops->release(ctx);
+	return 0;
+}
+
 #define CLIENT_CALL(expr) ({						\
 	u64 __t0 = client_clock();					\
 	typeof(expr) __r = (expr);					\
@@ -515,7 +566,7 @@ static void client_put(struct peer_client *c)
 static void client_release(struct peer_client *c, void *ctx)
 {
 	if (c->ops->release)
-		CLIENT_CALL_VOID(c->ops->release(ctx));
+		CLIENT_CALL_VOID(pmc_client_release(c->ops, ctx));
 }
 
 /* --- fault injection: the HCA fails to create the mkey ------------------ */
@@ -709,8 +760,8 @@ static void unfix_peer_sgls(struct pmc_umem *u)
 static void unmap_client(struct pmc_umem *u, struct peer_client *c)
 {
 	unfix_peer_sgls(u);
-	CLIENT_CALL(c->ops->dma_unmap(&u->sgt, u->ctx, u->dma_dev));
-	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, u->ctx));
+	CLIENT_CALL(pmc_client_dma_unmap(c->ops, &u->sgt, u->ctx, u->dma_dev));
+	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, u->ctx));
 	memset(&u->sgt, 0, sizeof(u->sgt));
 }
 
@@ -867,18 +918,18 @@ static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_clie
 		if (err)
 			goto err_umem;
 	}
-	err = CLIENT_CALL(c->ops->get_pages(u->addr, u->len, 1, !!(flags & PMC_REG_READ_ONLY),
-					    NULL, ctx, u->xa_id));
+	err = CLIENT_CALL(pmc_client_get_pages(c->ops, u->addr, u->len, 1,
+						     !!(flags & PMC_REG_READ_ONLY), ctx, u->xa_id));
 	if (err)
 		goto err_ticket;
-	u->page_size = c->ops->get_page_size ? c->ops->get_page_size(ctx) : PAGE_SIZE;
+	u->page_size = pmc_client_get_page_size(c->ops, ctx);
 	if (!is_power_of_2(u->page_size) || u->page_size < PAGE_SIZE) {
 		pr_err("client %.64s: get_page_size() before dma_map returned %lu\n",
 		       c->ops->name, u->page_size);
 		err = -EINVAL;
 		goto err_pages;
 	}
-	err = CLIENT_CALL(c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap));
+	err = CLIENT_CALL(pmc_client_dma_map(c->ops, &u->sgt, ctx, u->dma_dev, &nmap));
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
@@ -891,7 +942,7 @@ static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_clie
 	return u;
 
 err_pages:
-	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, ctx));
+	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, ctx));
 err_ticket:
 	ofed4_remove_ticket(c, u, false);
 err_umem:
@@ -1033,7 +1084,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	list_for_each_entry(c, &peer_clients, node) {
 		if (c->invalidation_required && !(flags & PMC_REG_INVAL_SUPP))
 			continue;
-		if (CLIENT_CALL(c->ops->acquire(addr, len, NULL, NULL, &ctx)) > 0) {
+		if (CLIENT_CALL(pmc_client_acquire(c->ops, addr, len, &ctx)) > 0) {
 			found = c;
 			atomic_inc(&c->umems);
 			break;
@@ -1071,17 +1122,17 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	} else {
 		u->xa_id = PEER_NO_INVALIDATION_ID;
 	}
-	err = CLIENT_CALL(c->ops->get_pages(addr, len, 1, !!(flags & PMC_REG_READ_ONLY), NULL, ctx,
-					    u->xa_id));
+	err = CLIENT_CALL(pmc_client_get_pages(c->ops, addr, len, 1, !!(flags & PMC_REG_READ_ONLY),
+						     ctx, u->xa_id));
 	if (err)
 		goto err_xa;
 	if (c->invalidation_required && READ_ONCE(map_delay_ms))
 		msleep(READ_ONCE(map_delay_ms));	/* mapping_lock held, as between the real calls */
-	err = CLIENT_CALL(c->ops->dma_map(&u->sgt, ctx, u->dma_dev, 0, &nmap));
+	err = CLIENT_CALL(pmc_client_dma_map(c->ops, &u->sgt, ctx, u->dma_dev, &nmap));
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
-	u->page_size = c->ops->get_page_size ? c->ops->get_page_size(ctx) : PAGE_SIZE;
+	u->page_size = pmc_client_get_page_size(c->ops, ctx);
 	if (u->page_size != PAGE_SIZE)
 		fix_peer_sgls(u);
 	u->state = UMEM_MAPPED;
@@ -1093,7 +1144,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	return u;
 
 err_pages:
-	CLIENT_CALL_VOID(c->ops->put_pages(&u->sgt, ctx));
+	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, ctx));
 err_xa:
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);

@@ -292,3 +292,17 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `count` registrations and deregistrations of `size` bytes, nothing else:
+/// what `make bench` profiles with ftrace.
+pub fn register_loop(size: u64, count: u64, mode: &str) -> Result<(), String> {
+    let g = Gpu::open()?;
+    let c = Core::open()?;
+    let f = if mode == "persistent" { 0 } else { PMC_REG_INVAL_SUPP };
+    let a = g.alloc(0, size.max(K64)).map_err(errno)?;
+    for _ in 0..count {
+        let h = c.reg(a.va, size, f).map_err(errno)?;
+        c.dereg(h).map_err(errno)?;
+    }
+    Ok(())
+}

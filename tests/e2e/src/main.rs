@@ -14,6 +14,7 @@ mod dev;
 mod hostile;
 mod module;
 mod paths;
+mod profile;
 mod scenarios;
 mod statcheck;
 mod stress;
@@ -168,6 +169,24 @@ fn main() {
             // paths <expect-file> [--policy N]
             let a: Vec<String> = std::env::args().skip(2).collect();
             std::process::exit(paths::run(&a));
+        }
+        Some("profile") => {
+            // profile <module> <impl> <key> [registrations] [trace]
+            let a: Vec<String> = std::env::args().skip(2).collect();
+            std::process::exit(profile::run(&a));
+        }
+        Some("loop") => {
+            // loop <bytes> <count> <invalidating|persistent>: registrations
+            // and nothing else, for `make bench`'s profile.
+            let a: Vec<String> = std::env::args().skip(2).collect();
+            let n = |i: usize| a.get(i).and_then(|s| s.parse().ok()).unwrap_or(0);
+            match bench::register_loop(n(0), n(1), a.get(2).map_or("invalidating", |s| s)) {
+                Ok(()) => std::process::exit(0),
+                Err(e) => {
+                    println!("BENCH-FAIL {e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Some("bench") => {
             // bench <impl> <cost> <live counts, comma-separated>
