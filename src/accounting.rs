@@ -111,9 +111,20 @@ struct GpuSlot {
     bar_end: Atomic<u64>,
     id: Atomic<u32>,
     ready: Atomic<u32>,
-    live: Atomic<u64>,
-    pinned: Atomic<u64>,
-    max_pinned: Atomic<u64>,
+    /// Live registrations << LIVE_SHIFT | pinned 64 KiB units: one atomic
+    /// update per charge and per release.
+    usage: Atomic<u64>,
+    /// High-water mark of the pinned units.
+    max_units: Atomic<u64>,
+}
+
+/// Where a GPU's live count starts in its `usage` word: 2^40 units of 64 KiB
+/// (64 EiB) below it, 2^24 live registrations above.
+const LIVE_SHIFT: u32 = 40;
+const UNIT: u64 = 64 << 10;
+
+fn units(bytes: u64) -> u64 {
+    bytes.div_ceil(UNIT)
 }
 
 impl GpuSlot {
@@ -123,9 +134,8 @@ impl GpuSlot {
             bar_end: Atomic::new(0),
             id: Atomic::new(0),
             ready: Atomic::new(0),
-            live: Atomic::new(0),
-            pinned: Atomic::new(0),
-            max_pinned: Atomic::new(0),
+            usage: Atomic::new(0),
+            max_units: Atomic::new(0),
         }
     }
 }
@@ -335,11 +345,11 @@ fn proc_remove(i: usize, bytes: u64) {
 pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, comm: &[u8], bytes: u64) -> Charge {
     pair.slot().registrations.add(1, Relaxed);
     let g = &GPU_TABLE[gpu.slot];
-    g.live.add(1, Relaxed);
-    let now = g.pinned.fetch_add(bytes, Relaxed) + bytes;
-    let mut max = g.max_pinned.load(Relaxed);
+    let step = (1 << LIVE_SHIFT) | units(bytes);
+    let now = (g.usage.fetch_add(step, Relaxed) + step) & ((1 << LIVE_SHIFT) - 1);
+    let mut max = g.max_units.load(Relaxed);
     while now > max {
-        match g.max_pinned.cmpxchg(max, now, Relaxed) {
+        match g.max_units.cmpxchg(max, now, Relaxed) {
             Ok(_) => break,
             Err(m) => max = m,
         }
@@ -356,8 +366,8 @@ impl Charge {
     /// The registration's pin ended.
     pub(crate) fn release(self) {
         let g = &GPU_TABLE[self.gpu];
-        g.pinned.fetch_sub(self.bytes, Relaxed);
-        g.live.fetch_sub(1, Relaxed);
+        g.usage
+            .fetch_sub((1 << LIVE_SHIFT) | units(self.bytes), Relaxed);
         if let Some(i) = self.proc_slot {
             proc_remove(i, self.bytes);
         }
@@ -414,13 +424,14 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if g.bar_start.load(Acquire) == 0 || g.ready.load(Acquire) == 0 {
             continue;
         }
+        let usage = g.usage.load(Relaxed);
         writeln!(
             f,
             "gpu={} live={} pinned_bytes={} max_pinned_bytes={}",
             Bdf(g.id.load(Relaxed)),
-            g.live.load(Relaxed),
-            g.pinned.load(Relaxed),
-            g.max_pinned.load(Relaxed)
+            usage >> LIVE_SHIFT,
+            (usage & ((1 << LIVE_SHIFT) - 1)) * UNIT,
+            g.max_units.load(Relaxed) * UNIT
         )?;
     }
     Ok(())

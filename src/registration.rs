@@ -241,10 +241,8 @@ impl Registration {
                 Ok(reg)
             }
         };
-        if claimed.is_ok() {
-            // The core holds it from now until `release`.
-            STATS.live.add(1, Relaxed);
-        }
+        // The core holds it from now until `release`; counted by the caller
+        // (`acquired`; live registrations are `acquired - releases`).
         claimed
     }
 
@@ -516,7 +514,6 @@ impl Registration {
         if let Some(table) = r.unpin {
             self.unpin(table);
         }
-        STATS.live.fetch_sub(1, Relaxed);
         STATS.releases.add(1, Relaxed);
     }
 
