@@ -135,18 +135,30 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
             // inside its callbacks (the core's clock) minus inside the
             // provider's calls (the provider's clock). A pass of its own
             // because clock reads are slow under TCG.
+            // The floor (provider + core, which no client removes): the
+            // same pass's end-to-end time minus the client's own time.
             let (mut reg_own, mut dereg_own) = (Vec::new(), Vec::new());
+            let (mut reg_floor, mut dereg_floor) = (Vec::new(), Vec::new());
             set_timing(true)?;
             let own = || client_ns() - g.info().provider_ns as f64;
             for _ in 0..reps {
                 let o0 = own();
+                let t = Instant::now();
                 let h = c.reg(a.va, size, f).map_err(errno)?;
+                let wall = t.elapsed().as_secs_f64() * 1e6;
                 let o1 = own();
                 reg_own.push((o1 - o0) / 1e3);
+                reg_floor.push(wall - (o1 - o0) / 1e3);
+                let t = Instant::now();
                 c.dereg(h).map_err(errno)?;
-                dereg_own.push((own() - o1) / 1e3);
+                let wall = t.elapsed().as_secs_f64() * 1e6;
+                let o2 = own();
+                dereg_own.push((o2 - o1) / 1e3);
+                dereg_floor.push(wall - (o2 - o1) / 1e3);
             }
             set_timing(false)?;
+            emit(imp, cost, "register_floor_us", &key, median(&mut reg_floor));
+            emit(imp, cost, "deregister_floor_us", &key, median(&mut dereg_floor));
             emit(
                 imp,
                 cost,
