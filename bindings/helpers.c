@@ -48,7 +48,7 @@ struct peermem_chain {
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
-u32 peermem_current_id(char *comm);
+void peermem_current_comm(char *comm);
 
 static u32 peermem_pci_id(struct pci_dev *pdev);
 
@@ -197,14 +197,10 @@ int peermem_chain_of(struct device *dev, struct peermem_chain *out)
 	return 0;
 }
 
-/*
- * The calling process: its tgid, and its name into @comm (TASK_COMM_LEN
- * bytes, NUL-terminated).
- */
-u32 peermem_current_id(char *comm)
+/* The calling process's name, TASK_COMM_LEN bytes, NUL-terminated. */
+void peermem_current_comm(char *comm)
 {
 	strscpy_pad(comm, current->group_leader->comm, TASK_COMM_LEN);
-	return task_tgid_nr(current);
 }
 
 /* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */

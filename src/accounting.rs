@@ -294,7 +294,7 @@ fn store_comm(slot: &ProcSlot, comm: &[u8]) {
 }
 
 /// Adds one process's registration to its slot (made if needed).
-fn proc_add(tgid: u32, comm: &[u8], bytes: u64) -> Option<usize> {
+fn proc_add(tgid: u32, comm: impl FnOnce() -> [u8; 16], bytes: u64) -> Option<usize> {
     let shard = tgid as usize % PROC_SHARDS;
     let slots = shard * PROCS_PER_SHARD..(shard + 1) * PROCS_PER_SHARD;
     // Join the process's slot if it has one.
@@ -318,7 +318,7 @@ fn proc_add(tgid: u32, comm: &[u8], bytes: u64) -> Option<usize> {
             .cmpxchg(0, (u64::from(tgid) << 32) | 1, Acquire)
             .is_ok()
         {
-            store_comm(s, comm);
+            store_comm(s, &comm());
             s.pinned.add(bytes, Relaxed);
             return Some(i);
         }
@@ -342,7 +342,13 @@ fn proc_remove(i: usize, bytes: u64) {
 
 /// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
 /// process `tgid` named `comm`.
-pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, comm: &[u8], bytes: u64) -> Charge {
+pub(crate) fn charge(
+    pair: Pair,
+    gpu: Gpu,
+    tgid: u32,
+    comm: impl FnOnce() -> [u8; 16],
+    bytes: u64,
+) -> Charge {
     pair.slot().registrations.add(1, Relaxed);
     let g = &GPU_TABLE[gpu.slot];
     let step = (1 << LIVE_SHIFT) | units(bytes);

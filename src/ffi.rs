@@ -80,8 +80,8 @@ extern "C" {
     /// How an IOMMU treats `dev`'s DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ,
     /// 4 other.
     pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
-    /// The calling process's tgid; its name into a 16-byte buffer.
-    pub(crate) fn peermem_current_id(comm: *mut c_char) -> u32;
+    /// The calling process's name into a 16-byte buffer.
+    pub(crate) fn peermem_current_comm(comm: *mut c_char);
 }
 
 /// `struct peermem_hop` of the C shim.

@@ -207,9 +207,19 @@ impl Route {
         }
         let (pair, _) = self.pair?;
         let gpu = self.gpu?;
-        let mut comm = [0u8; 16];
-        // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
-        let tgid = unsafe { ffi::peermem_current_id(comm.as_mut_ptr().cast()) };
-        Some(accounting::charge(pair, gpu, tgid, &comm, bytes))
+        // The name is read only when the process gets its slot.
+        let comm = || {
+            let mut comm = [0u8; 16];
+            // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
+            unsafe { ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
+            comm
+        };
+        Some(accounting::charge(
+            pair,
+            gpu,
+            compat::current_tgid(),
+            comm,
+            bytes,
+        ))
     }
 }
