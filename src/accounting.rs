@@ -278,11 +278,21 @@ impl Pair {
 ///
 /// Built only by [`charge`], which added exactly what [`Charge::release`]
 /// subtracts.
+///
+/// Small (16 bytes, also as an `Option`): it lives in every registration.
 pub(crate) struct Charge {
-    gpu: usize,
-    proc_slot: Option<usize>,
     bytes: u64,
+    /// The GPU's slot + 1.
+    gpu: core::num::NonZeroU16,
+    /// The process's slot, or [`NO_PROC`].
+    proc_slot: u16,
 }
+
+/// No process slot was free: the process is not counted.
+const NO_PROC: u16 = u16::MAX;
+
+// The slot numbers fit the compact charge.
+const _: () = assert!(GPUS < u16::MAX as usize && PROC_SHARDS * PROCS_PER_SHARD < NO_PROC as usize);
 
 fn store_comm(slot: &ProcSlot, comm: &[u8]) {
     let mut w = [0u64; 2];
@@ -360,22 +370,23 @@ pub(crate) fn charge(
             Err(m) => max = m,
         }
     }
+    let proc_slot = proc_add(tgid, comm, bytes).map_or(NO_PROC, |i| i as u16);
     // INVARIANT: what `release` subtracts was added here.
     Charge {
-        gpu: gpu.slot,
-        proc_slot: proc_add(tgid, comm, bytes),
         bytes,
+        gpu: core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16),
+        proc_slot,
     }
 }
 
 impl Charge {
     /// The registration's pin ended.
     pub(crate) fn release(self) {
-        let g = &GPU_TABLE[self.gpu];
+        let g = &GPU_TABLE[usize::from(self.gpu.get() - 1)];
         g.usage
             .fetch_sub((1 << LIVE_SHIFT) | units(self.bytes), Relaxed);
-        if let Some(i) = self.proc_slot {
-            proc_remove(i, self.bytes);
+        if self.proc_slot != NO_PROC {
+            proc_remove(usize::from(self.proc_slot), self.bytes);
         }
     }
 }

@@ -32,6 +32,8 @@ use kernel::{
     }, //
 };
 
+use core::num::NonZeroUsize;
+
 use crate::{
     accounting::Charge,
     bar_map::{
@@ -127,7 +129,7 @@ struct Inner {
     pin_error: Option<Error>,
     /// The task whose free callback is inside the core's invalidate for this
     /// registration; `release` waits until it is out.
-    in_core: Option<usize>,
+    in_core: Option<NonZeroUsize>,
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
@@ -157,6 +159,12 @@ pub(crate) struct Registration {
     _live: Liveness,
 }
 
+// One registration is one kmalloc-256 object, with the `Arc`'s count: a field
+// that pushes it over doubles its memory (kmalloc-512). Production kernels
+// only: lock debugging makes every lock and wait queue bigger.
+#[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK)))]
+const _: () = assert!(core::mem::size_of::<Registration>() + 8 <= 256);
+
 impl_has_work! {
     impl HasWork<Self> for Registration { self.reap }
 }
@@ -170,8 +178,9 @@ impl WorkItem for Registration {
 }
 
 /// The calling task, compared only.
-fn current_task() -> usize {
-    kernel::current!().as_ptr() as usize
+fn current_task() -> NonZeroUsize {
+    // A task pointer is never NULL.
+    NonZeroUsize::new(kernel::current!().as_ptr() as usize).unwrap_or(NonZeroUsize::MIN)
 }
 
 fn refused(r: Refusal, call: &str) -> Error {
