@@ -39,7 +39,7 @@ in_root() {
 	# The documented knobs (PEERMEM_BENCH_*, PEERMEM_STRESS_OPS, ...) reach
 	# the command; nothing else of the host's environment does.
 	local knobs=()
-	while IFS= read -r kv; do knobs+=("$kv"); done < <(env | grep -E '^PEERMEM_(BENCH|STRESS|KCSAN)_[A-Z_]*=' || true)
+	while IFS= read -r kv; do knobs+=("$kv"); done < <(env | grep -E '^PEERMEM_(BENCH|STRESS|KCSAN|FUZZ)_[A-Z_]*=' || true)
 	unshare -m --propagation private bash -c '
 		set -e
 		r=$1 top=$2 work=$3 cwd=$4 cache=$5 series=$6

@@ -88,6 +88,9 @@ pub struct Opts {
     pub filter: Option<String>,
     /// Operations of the stress run per mode (0: none).
     pub stress_ops: u64,
+    /// Seconds of `hostile_caller_fuzz` per mode (`make test` 5, `make soak`
+    /// longer).
+    pub fuzz_secs: u64,
 }
 
 /// What a scenario works with.
@@ -223,6 +226,7 @@ fn main() {
         quick: false,
         filter: None,
         stress_ops: 0,
+        fuzz_secs: 5,
     };
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     while let Some(a) = args.next() {
@@ -247,6 +251,9 @@ fn main() {
             "--quick" => opts.quick = true,
             "--filter" => opts.filter = args.next(),
             "--stress" => opts.stress_ops = args.next().and_then(|s| s.parse().ok()).unwrap_or(0),
+            "--fuzz-secs" => {
+                opts.fuzz_secs = args.next().and_then(|s| s.parse().ok()).unwrap_or(5)
+            }
             "--seed" => seed = args.next().and_then(|s| s.parse().ok()).unwrap_or(seed),
             _ => panic!("unknown argument {a}"),
         }

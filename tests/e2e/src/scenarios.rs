@@ -1125,7 +1125,11 @@ fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
 /// offset, length and direction. Every answer must be a clean errno (never
 /// 524), every success is undone, and nothing is left behind.
 fn hostile_fuzz(ctx: &mut Ctx) -> Result<String, String> {
-    let secs = if ctx.opts.quick { 3 } else { 15 };
+    let secs = if ctx.opts.quick {
+        3
+    } else {
+        ctx.opts.fuzz_secs
+    };
     let allowed = [
         libc::EINVAL,
         libc::EFAULT,
