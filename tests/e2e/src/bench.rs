@@ -158,7 +158,13 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
             }
             set_timing(false)?;
             emit(imp, cost, "register_floor_us", &key, median(&mut reg_floor));
-            emit(imp, cost, "deregister_floor_us", &key, median(&mut dereg_floor));
+            emit(
+                imp,
+                cost,
+                "deregister_floor_us",
+                &key,
+                median(&mut dereg_floor),
+            );
             emit(
                 imp,
                 cost,
@@ -310,7 +316,11 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
 pub fn register_loop(size: u64, count: u64, mode: &str) -> Result<(), String> {
     let g = Gpu::open()?;
     let c = Core::open()?;
-    let f = if mode == "persistent" { 0 } else { PMC_REG_INVAL_SUPP };
+    let f = if mode == "persistent" {
+        0
+    } else {
+        PMC_REG_INVAL_SUPP
+    };
     let a = g.alloc(0, size.max(K64)).map_err(errno)?;
     for _ in 0..count {
         let h = c.reg(a.va, size, f).map_err(errno)?;

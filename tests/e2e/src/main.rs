@@ -251,9 +251,7 @@ fn main() {
             "--quick" => opts.quick = true,
             "--filter" => opts.filter = args.next(),
             "--stress" => opts.stress_ops = args.next().and_then(|s| s.parse().ok()).unwrap_or(0),
-            "--fuzz-secs" => {
-                opts.fuzz_secs = args.next().and_then(|s| s.parse().ok()).unwrap_or(5)
-            }
+            "--fuzz-secs" => opts.fuzz_secs = args.next().and_then(|s| s.parse().ok()).unwrap_or(5),
             "--seed" => seed = args.next().and_then(|s| s.parse().ok()).unwrap_or(seed),
             _ => panic!("unknown argument {a}"),
         }

@@ -76,7 +76,11 @@ fn readable(sym: &str) -> String {
             }
             let n: usize = name[i..j].parse().unwrap_or(0);
             // v0 may put `_` before an identifier starting with a digit or _.
-            let start = if j < b.len() && b[j] == b'_' { j + 1 } else { j };
+            let start = if j < b.len() && b[j] == b'_' {
+                j + 1
+            } else {
+                j
+            };
             if n > 0 && start + n <= b.len() && name.as_bytes()[start].is_ascii_alphabetic() {
                 idents.push(&name[start..start + n]);
                 i = start + n;
@@ -226,7 +230,11 @@ fn summarize(text: &str, syms: &HashSet<String>, imp: &str, regs: f64) -> Vec<se
             continue;
         };
         let role_of = |name: &str, parent: Option<&Frame>| -> (Role, Option<usize>) {
-            let sym = name.split_whitespace().next().unwrap_or(name).trim_end_matches("()");
+            let sym = name
+                .split_whitespace()
+                .next()
+                .unwrap_or(name)
+                .trim_end_matches("()");
             let mine = syms.contains(sym);
             let root = sym.starts_with(CALL_PREFIX);
             match parent {
@@ -278,7 +286,11 @@ fn summarize(text: &str, syms: &HashSet<String>, imp: &str, regs: f64) -> Vec<se
         let Some(c) = cbs.get(name) else { continue };
         let callees_us: f64 = c.callees.values().map(|v| v.1).sum();
         let mut callees: Vec<_> = c.callees.iter().collect();
-        callees.sort_by(|a, b| b.1 .1.partial_cmp(&a.1 .1).unwrap_or(std::cmp::Ordering::Equal));
+        callees.sort_by(|a, b| {
+            b.1 .1
+                .partial_cmp(&a.1 .1)
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
         let list: Vec<serde_json::Value> = callees
             .iter()
             .map(|(n, (k, us))| serde_json::json!([n, *k as f64 / regs, us / regs]))
@@ -349,7 +361,10 @@ mod tests {
         assert_eq!(m["module_calls_per_reg"], 1.0);
         // Ours and the provider's.
         assert_eq!(m["dma_maps_per_reg"], 1.0);
-        assert_eq!(m["callees"][0], serde_json::json!(["dma_map_resource", 0.5, 1.5]));
+        assert_eq!(
+            m["callees"][0],
+            serde_json::json!(["dma_map_resource", 0.5, 1.5])
+        );
         // The core's own kfree after the callback is not the client's.
         assert_eq!(out[1]["callback"], "release");
         assert_eq!(out[1]["own_code_us_per_reg"], 0.25);
