@@ -32,9 +32,10 @@ use crate::{
     sg::SgTable,
 };
 
-/// The mapped runs: one inline (a contiguous registration, the common case,
-/// costs no allocation), or a vector.
+/// The mapped runs: none yet, one inline (a contiguous registration, the
+/// common case, costs no allocation), or a vector.
 enum Mapped {
+    None,
     One(Segment),
     Many(KVec<Segment>),
 }
@@ -42,6 +43,7 @@ enum Mapped {
 impl Mapped {
     fn as_slice(&self) -> &[Segment] {
         match self {
+            Mapped::None => &[],
             Mapped::One(s) => core::slice::from_ref(s),
             Mapped::Many(v) => v,
         }
@@ -62,11 +64,11 @@ pub(crate) struct Iovas {
 }
 
 impl Iovas {
-    /// Records a run just mapped; `count` runs are expected in all, and a
-    /// vector of that capacity was reserved when `count > 1`.
-    fn record(&mut self, seg: Segment, count: usize) -> Result {
+    /// Records a run just mapped: the only one inline, or into the vector
+    /// whose capacity was reserved for all of them.
+    fn record(&mut self, seg: Segment) -> Result {
         match &mut self.runs {
-            Mapped::Many(v) if count == 1 && v.is_empty() => {
+            Mapped::None => {
                 self.runs = Mapped::One(seg);
                 Ok(())
             }
@@ -121,11 +123,11 @@ impl BarMap {
         let count = Runs::new(n, addr, GPU_PAGE_SIZE, max).count();
         let mut iovas = Iovas {
             dev: NonNull::new(peer.dev()).ok_or(EINVAL)?,
-            runs: Mapped::Many(if count == 1 {
-                KVec::new()
+            runs: if count == 1 {
+                Mapped::None
             } else {
-                KVec::with_capacity(count, GFP_KERNEL)?
-            }),
+                Mapped::Many(KVec::with_capacity(count, GFP_KERNEL)?)
+            },
         };
         for run in Runs::new(n, addr, GPU_PAGE_SIZE, max) {
             let mut dma = 0u64;
@@ -141,7 +143,7 @@ impl BarMap {
             // INVARIANT: mapped just now; on a later failure `iovas` drops and
             // unmaps it. `record` cannot fail for the `count` runs `Runs`
             // yields; if it did, this run would not be undone, so undo it.
-            if let Err(e) = iovas.record(seg, count) {
+            if let Err(e) = iovas.record(seg) {
                 // SAFETY: mapped just above for this device, not recorded.
                 unsafe { ffi::peermem_unmap_bar(iovas.dev.as_ptr(), dma, run.len) };
                 return Err(e);
