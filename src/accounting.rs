@@ -121,10 +121,12 @@ struct GpuSlot {
 /// Where a GPU's live count starts in its `usage` word: 2^40 units of 64 KiB
 /// (64 EiB) below it, 2^24 live registrations above.
 const LIVE_SHIFT: u32 = 40;
+const UNITS_MASK: u64 = (1 << LIVE_SHIFT) - 1;
 const UNIT: u64 = 64 << 10;
 
-fn units(bytes: u64) -> u64 {
-    bytes.div_ceil(UNIT)
+/// What one registration of `bytes` adds to its GPU's `usage` word.
+fn usage_step(bytes: u64) -> u64 {
+    (1 << LIVE_SHIFT) | bytes.div_ceil(UNIT)
 }
 
 impl GpuSlot {
@@ -361,8 +363,8 @@ pub(crate) fn charge(
 ) -> Charge {
     pair.slot().registrations.add(1, Relaxed);
     let g = &GPU_TABLE[gpu.slot];
-    let step = (1 << LIVE_SHIFT) | units(bytes);
-    let now = (g.usage.fetch_add(step, Relaxed) + step) & ((1 << LIVE_SHIFT) - 1);
+    let step = usage_step(bytes);
+    let now = (g.usage.fetch_add(step, Relaxed) + step) & UNITS_MASK;
     let mut max = g.max_units.load(Relaxed);
     while now > max {
         match g.max_units.cmpxchg(max, now, Relaxed) {
@@ -383,8 +385,7 @@ impl Charge {
     /// The registration's pin ended.
     pub(crate) fn release(self) {
         let g = &GPU_TABLE[usize::from(self.gpu.get() - 1)];
-        g.usage
-            .fetch_sub((1 << LIVE_SHIFT) | units(self.bytes), Relaxed);
+        g.usage.fetch_sub(usage_step(self.bytes), Relaxed);
         if self.proc_slot != NO_PROC {
             proc_remove(usize::from(self.proc_slot), self.bytes);
         }
@@ -447,7 +448,7 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
             "gpu={} live={} pinned_bytes={} max_pinned_bytes={}",
             Bdf(g.id.load(Relaxed)),
             usage >> LIVE_SHIFT,
-            (usage & ((1 << LIVE_SHIFT) - 1)) * UNIT,
+            (usage & UNITS_MASK) * UNIT,
             g.max_units.load(Relaxed) * UNIT
         )?;
     }

@@ -64,18 +64,49 @@ pub(crate) struct Iovas {
 }
 
 impl Iovas {
-    /// Records a run just mapped: the only one inline, or into the vector
-    /// whose capacity was reserved for all of them.
-    fn record(&mut self, seg: Segment) -> Result {
-        match &mut self.runs {
+    /// No mappings yet, room for `count` runs (the only one inline).
+    fn with_capacity(dev: NonNull<device>, count: usize) -> Result<Self> {
+        let runs = if count == 1 {
+            Mapped::None
+        } else {
+            Mapped::Many(KVec::with_capacity(count, GFP_KERNEL)?)
+        };
+        // INVARIANT: no segment, nothing to undo.
+        Ok(Self { dev, runs })
+    }
+
+    /// Maps the BAR bytes `run` for the device and keeps the mapping.
+    ///
+    /// # Safety
+    ///
+    /// `run` must be BAR memory that the GPU driver keeps pinned until this
+    /// object is dropped.
+    unsafe fn map(&mut self, run: Segment) -> Result {
+        let mut dma = 0u64;
+        // SAFETY: a live device (type invariant); `run` stays pinned (caller).
+        kernel::error::to_result(unsafe {
+            ffi::peermem_map_bar(self.dev.as_ptr(), run.addr, run.len, &mut dma)
+        })?;
+        let seg = Segment {
+            addr: dma,
+            len: run.len,
+        };
+        // INVARIANT: the new mapping is recorded, so `drop` undoes it; room
+        // was made for every run, so recording cannot fail, and if it did the
+        // mapping is undone here instead.
+        let recorded = match &mut self.runs {
             Mapped::None => {
                 self.runs = Mapped::One(seg);
                 Ok(())
             }
-            // Capacity was reserved: no allocation happens here.
-            Mapped::Many(v) => Ok(v.push(seg, GFP_ATOMIC)?),
+            Mapped::Many(v) => v.push(seg, GFP_ATOMIC).map_err(Error::from),
             Mapped::One(_) => Err(EINVAL),
+        };
+        if recorded.is_err() {
+            // SAFETY: mapped just above for this device, not recorded.
+            unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), dma, run.len) };
         }
+        recorded
     }
 }
 
@@ -121,33 +152,14 @@ impl BarMap {
         let addr = |i| pages.physical_address(i).unwrap_or(0);
         let max = peer.max_segment();
         let count = Runs::new(n, addr, GPU_PAGE_SIZE, max).count();
-        let mut iovas = Iovas {
-            dev: NonNull::new(peer.dev()).ok_or(EINVAL)?,
-            runs: if count == 1 {
-                Mapped::None
-            } else {
-                Mapped::Many(KVec::with_capacity(count, GFP_KERNEL)?)
-            },
-        };
+        let mut iovas = Iovas::with_capacity(NonNull::new(peer.dev()).ok_or(EINVAL)?, count)?;
         for run in Runs::new(n, addr, GPU_PAGE_SIZE, max) {
-            let mut dma = 0u64;
-            // SAFETY: a live device; `run` is BAR memory the GPU driver keeps
-            // pinned while the caller holds the table.
-            kernel::error::to_result(unsafe {
-                ffi::peermem_map_bar(iovas.dev.as_ptr(), run.addr, run.len, &mut dma)
-            })?;
-            let seg = Segment {
-                addr: dma,
-                len: run.len,
-            };
-            // INVARIANT: mapped just now; on a later failure `iovas` drops and
-            // unmaps it. `record` cannot fail for the `count` runs `Runs`
-            // yields; if it did, this run would not be undone, so undo it.
-            if let Err(e) = iovas.record(seg) {
-                // SAFETY: mapped just above for this device, not recorded.
-                unsafe { ffi::peermem_unmap_bar(iovas.dev.as_ptr(), dma, run.len) };
-                return Err(e);
-            }
+            // SAFETY: `run` is BAR memory of the caller's pinned table, which
+            // stays pinned until these mappings are undone: the unpin comes
+            // after `dma_unmap`/`release` dropped them, and a free callback
+            // drops them before it returns (`take_device_access`). On a later
+            // failure `iovas` drops and unmaps what it mapped.
+            unsafe { iovas.map(run) }?;
         }
         let sg = SgTable::new(count, iovas.runs.as_slice().iter().copied())?;
         // INVARIANT: the scatterlist was built from exactly these runs.

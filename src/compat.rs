@@ -44,6 +44,14 @@ pub(crate) fn current_tgid() -> u32 {
     kernel::current!().group_leader().pid() as u32
 }
 
+/// The calling process's name (its thread group leader's `comm`).
+pub(crate) fn current_comm() -> [u8; 16] {
+    let mut comm = [0u8; 16];
+    // SAFETY: a 16-byte buffer (TASK_COMM_LEN), written by the helper only.
+    unsafe { crate::ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
+    comm
+}
+
 /// `-EOPNOTSUPP`.
 pub(crate) fn eopnotsupp() -> Error {
     Error::from_errno(-(bindings::EOPNOTSUPP as i32))

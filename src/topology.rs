@@ -208,17 +208,11 @@ impl Route {
         let (pair, _) = self.pair?;
         let gpu = self.gpu?;
         // The name is read only when the process gets its slot.
-        let comm = || {
-            let mut comm = [0u8; 16];
-            // SAFETY: a 16-byte buffer (TASK_COMM_LEN).
-            unsafe { ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
-            comm
-        };
         Some(accounting::charge(
             pair,
             gpu,
             compat::current_tgid(),
-            comm,
+            compat::current_comm,
             bytes,
         ))
     }

@@ -565,8 +565,7 @@ static void client_put(struct peer_client *c)
 /* ib_put_peer_client: release is optional. */
 static void client_release(struct peer_client *c, void *ctx)
 {
-	if (c->ops->release)
-		CLIENT_CALL_VOID(pmc_client_release(c->ops, ctx));
+	CLIENT_CALL_VOID(pmc_client_release(c->ops, ctx));
 }
 
 /* --- fault injection: the HCA fails to create the mkey ------------------ */
