@@ -29,7 +29,10 @@ use crate::{
     p2p::PageView,
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
-    sg::SgTable,
+    sg::{
+        SgSlot,
+        SgTable, //
+    },
 };
 
 /// The mapped runs: none yet, one inline (a contiguous registration, the
@@ -138,8 +141,18 @@ pub(crate) struct BarMap {
 unsafe impl Send for BarMap {}
 
 impl BarMap {
-    /// Maps every page of `pages` for `peer`.
-    pub(crate) fn new(pages: &PageView<'_>, peer: &PeerDevice) -> Result<Self> {
+    /// Maps every page of `pages` for `peer`, with a one-entry scatterlist
+    /// in `slot`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`SgTable::new`]: `slot` outlives the returned map and no
+    /// other scatterlist is built in it while the map lives.
+    pub(crate) unsafe fn new(
+        pages: &PageView<'_>,
+        peer: &PeerDevice,
+        slot: &SgSlot,
+    ) -> Result<Self> {
         if pages.coherent() {
             // No BAR behind coherent memory: only the GPU driver knows how
             // to map it, and it takes its lock to do so.
@@ -161,7 +174,8 @@ impl BarMap {
             // failure `iovas` drops and unmaps what it mapped.
             unsafe { iovas.map(run) }?;
         }
-        let sg = SgTable::new(count, iovas.runs.as_slice().iter().copied())?;
+        // SAFETY: as promised by the caller.
+        let sg = unsafe { SgTable::new(slot, count, iovas.runs.as_slice().iter().copied()) }?;
         // INVARIANT: the scatterlist was built from exactly these runs.
         Ok(Self {
             sg,

@@ -39,6 +39,7 @@ mod stats;
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;
 mod topology;
+mod waitq;
 
 use client::{
     CoreRegistration,
@@ -130,6 +131,8 @@ pub(crate) fn this_module() -> *mut bindings::module {
 struct NvidiaPeermem {
     _clients: KVec<CoreRegistration>,
     _reaper: reaper::ReapQueue,
+    // After the clients and the reaper: no registration is left by then.
+    _waitq: waitq::WaitQueue,
     _stats: Pin<KBox<File<()>>>,
     _paths: Pin<KBox<File<()>>>,
     _gpus: Pin<KBox<File<()>>>,
@@ -208,6 +211,7 @@ impl kernel::Module for NvidiaPeermem {
             GFP_KERNEL,
         )?;
         let reaper = reaper::ReapQueue::new()?;
+        let waitq = waitq::WaitQueue::new()?;
         let mut clients = KVec::new();
         if persistent == 1 {
             clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
@@ -235,6 +239,7 @@ impl kernel::Module for NvidiaPeermem {
         Ok(Self {
             _clients: clients,
             _reaper: reaper,
+            _waitq: waitq,
             _stats: stats,
             _paths: paths,
             _gpus: gpus,

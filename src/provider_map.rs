@@ -13,7 +13,10 @@ use crate::{
     },
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
-    sg::SgTable,
+    sg::{
+        SgSlot,
+        SgTable, //
+    },
     stats::{
         fail,
         Cause, //
@@ -44,8 +47,13 @@ impl ProviderMap {
     /// # Safety
     ///
     /// `table` is an alias of a persistent pin that stays pinned until the
-    /// returned mapping is dropped.
-    pub(crate) unsafe fn new(table: PageTable, entries: u32, peer: PeerDevice) -> Result<Self> {
+    /// returned mapping is dropped; `slot` is as for [`SgTable::new`].
+    pub(crate) unsafe fn new(
+        table: PageTable,
+        entries: u32,
+        peer: PeerDevice,
+        slot: &SgSlot,
+    ) -> Result<Self> {
         // SAFETY: the table is pinned (caller) and `peer` is live.
         let mapping = unsafe { table.dma_map(peer.pci()) }
             .map_err(|e| fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
@@ -65,8 +73,11 @@ impl ProviderMap {
                     compat::eopnotsupp(),
                     "unsupported NVIDIA DMA mapping: {m:?}"
                 )),
-                Ok(addrs) => SgTable::coalesced(addrs, GPU_PAGE_SIZE, this.peer.max_segment())
-                    .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist")),
+                // SAFETY: as promised by the caller.
+                Ok(addrs) => unsafe {
+                    SgTable::coalesced(slot, addrs, GPU_PAGE_SIZE, this.peer.max_segment())
+                }
+                .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist")),
             },
             None => Err(EINVAL),
         };

@@ -11,7 +11,6 @@
 
 use kernel::{
     bindings,
-    new_condvar,
     new_spinlock,
     prelude::*,
     sync::{
@@ -21,7 +20,6 @@ use kernel::{
             Guard, //
         },
         Arc,
-        CondVar,
         SpinLock, //
     },
     workqueue::{
@@ -65,7 +63,10 @@ use crate::{
         GPU_PAGE_SIZE, //
     },
     reaper::Deferred,
-    sg::SgTable,
+    sg::{
+        SgSlot,
+        SgTable, //
+    },
     stats::{
         fail,
         reg_dbg,
@@ -133,7 +134,7 @@ struct Inner {
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
-    /// Tasks waiting on `core_left`: wake-ups are sent only when there are
+    /// Tasks of this registration waiting on the module's queue: wake-ups are sent only when there are
     /// some (a registration without races never calls into the wait queue).
     waiters: u32,
     /// What the registration is counted under per pair, GPU and process,
@@ -149,10 +150,11 @@ pub(crate) struct Registration {
     link: Option<&'static CoreLink>,
     #[pin]
     inner: SpinLock<Inner>,
-    /// Signalled when a free callback leaves the core, and when a `dma_map`
-    /// stops reading the page table.
-    #[pin]
-    core_left: CondVar,
+    /// The scatterlist entry of a one-run mapping. Only the mapping being
+    /// made or held by `inner` uses it (the lifecycle holds at most one,
+    /// built in Mapping), and every mapping is dropped before the
+    /// registration is freed (it lives in `inner` or in a local of a method).
+    sg_slot: SgSlot,
     /// Drops the free callback's reference from the module's queue.
     #[pin]
     reap: Work<Registration>,
@@ -209,6 +211,9 @@ impl Registration {
                     "refused range {addr:#x}+{size:#x}: {e:?}"
                 )
             })?;
+        // Registrations are made only while the module's wait queue exists
+        // (their waits use it; see `wait`).
+        crate::waitq::queue().ok_or(ENODEV)?;
         let live = Liveness::new()?;
         // Pinning starts before the object is shared (nobody else can see
         // it yet, so no lock is needed to move it to Pinning).
@@ -227,7 +232,7 @@ impl Registration {
                     waiters: 0,
                     charge: None,
                 }),
-                core_left <- new_condvar!(),
+                sg_slot: SgSlot::new(),
                 reap <- new_work!("Registration::reap"),
                 _live: live,
             }),
@@ -462,7 +467,9 @@ impl Registration {
                 // SAFETY: checked by `get_pages` and valid during `dma_map`
                 // (see there); the view does not outlive this block.
                 let pages = unsafe { table.pages() };
-                BarMap::new(&pages, &peer)
+                // SAFETY: the slot is this registration's and is used by one
+                // mapping at a time (see `sg_slot`): this one, made in Mapping.
+                unsafe { BarMap::new(&pages, &peer, &self.sg_slot) }
                     .map(DeviceMap::Bar)
                     .map_err(|e| match e {
                         e if e == compat::eopnotsupp() => fail!(
@@ -476,8 +483,9 @@ impl Registration {
             Mode::Persistent => {
                 // SAFETY: a persistent pin, unpinned only by `release` after
                 // the mapping is dropped (the lifecycle hands out the map
-                // first).
-                unsafe { ProviderMap::new(table, entries, peer) }.map(DeviceMap::Provider)
+                // first); the slot as above.
+                unsafe { ProviderMap::new(table, entries, peer, &self.sg_slot) }
+                    .map(DeviceMap::Provider)
             }
         }
     }
@@ -526,18 +534,29 @@ impl Registration {
         STATS.releases.add(1, Relaxed);
     }
 
-    /// Waits on `core_left`, counted in `waiters` so that wakers know.
+    /// Waits on the module's queue (`core_left`), counted in `waiters` so
+    /// that wakers know. Whoever changes what the caller waits for does so
+    /// under this registration's lock and then wakes the queue.
     fn wait(&self, g: &mut Guard<'_, Inner, SpinLockBackend>) {
+        // Always there: a registration exists only while the queue does
+        // (checked by `acquire`; the queue goes only after the last one).
+        let Some(q) = crate::waitq::queue() else {
+            return;
+        };
         g.waiters += 1;
-        self.core_left.wait(g);
+        q.wait(g);
         g.waiters -= 1;
     }
 
-    /// Wakes the waiters of `core_left`, if any (the caller holds the lock
-    /// and changed what they wait for).
+    /// Wakes the waiters of this registration, if any (the caller holds the
+    /// lock and changed what they wait for). The queue is the module's: the
+    /// waiters of other registrations wake too, find their condition
+    /// unchanged and sleep again.
     fn wake(&self, g: &Inner) {
         if g.waiters > 0 {
-            self.core_left.notify_all();
+            if let Some(q) = crate::waitq::queue() {
+                q.notify_all();
+            }
         }
     }
 

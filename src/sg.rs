@@ -5,25 +5,46 @@
 
 use kernel::{
     bindings,
-    prelude::*, //
+    prelude::*,
+    types::Opaque, //
 };
 
 use crate::coalesce::Segment;
 
-/// A scatterlist the client allocated and filled; the core holds a copy of
-/// its header while the registration is mapped. Freed on drop.
+/// Room for a one-entry scatterlist inside a registration: a contiguous
+/// registration (the common case) needs no allocation for its table.
+pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
+
+// SAFETY: the slot is written only through an `SgTable` being built, and its
+// owner serializes that (the `SgTable::new` contract); it is read by the
+// core through the published header, and by nothing else.
+unsafe impl Send for SgSlot {}
+// SAFETY: as above.
+unsafe impl Sync for SgSlot {}
+
+impl SgSlot {
+    /// An empty slot.
+    pub(crate) fn new() -> Self {
+        Self(Opaque::zeroed())
+    }
+}
+
+/// A scatterlist the client filled; the core holds a copy of its header
+/// while the registration is mapped. An allocated table is freed on drop.
 ///
 /// # Invariants
 ///
-/// `table` is empty (all zero) or was set up by `sg_alloc_table`, and is freed
-/// exactly once, on drop (`sg_free_table` ignores an empty table).
-/// Its entries carry only DMA fields (there are no `struct page`s behind GPU
-/// BAR memory).
+/// `table` is empty (all zero); or has one entry (`orig_nents == 1`), in an
+/// [`SgSlot`] that outlives this object and that nothing else writes while
+/// it lives; or was set up by `sg_alloc_table` for two entries or more, and
+/// is freed exactly once, on drop. Its entries carry only DMA fields
+/// (there are no `struct page`s behind GPU BAR memory).
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
 
-// SAFETY: the table is plain memory owned by this object.
+// SAFETY: the table is plain memory owned by this object (or, embedded, a
+// slot only this object uses while it lives).
 unsafe impl Send for SgTable {}
 
 impl SgTable {
@@ -37,21 +58,45 @@ impl SgTable {
     }
 
     /// Builds a table of exactly `n` entries from `segs`, which must yield
-    /// `n` segments.
-    pub(crate) fn new(n: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
+    /// `n` segments; one entry goes into `slot`, more are allocated.
+    ///
+    /// # Safety
+    ///
+    /// `slot` must outlive the returned table, and no other table may be
+    /// built in it while the returned one lives.
+    pub(crate) unsafe fn new(
+        slot: &SgSlot,
+        n: usize,
+        segs: impl Iterator<Item = Segment>,
+    ) -> Result<Self> {
         let nents = u32::try_from(n).map_err(|_| EINVAL)?;
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
-        // SAFETY: `table` is a valid, empty table.
-        kernel::error::to_result(unsafe {
-            bindings::sg_alloc_table(&mut table, nents, bindings::GFP_KERNEL)
-        })?;
-        // INVARIANT: allocated above; freed on drop (also on the error below).
+        if n == 1 {
+            let sg = slot.0.get();
+            // SAFETY: the slot outlives the table and nobody else writes it
+            // meanwhile (caller); a zeroed entry with the end mark (bit 1 of
+            // `page_link`, `sg_mark_end`) is a one-entry list.
+            unsafe {
+                sg.write(core::mem::zeroed());
+                (*sg).page_link = 0x2;
+            }
+            table.sgl = sg;
+            table.nents = 1;
+            table.orig_nents = 1;
+        } else {
+            // SAFETY: `table` is a valid, empty table.
+            kernel::error::to_result(unsafe {
+                bindings::sg_alloc_table(&mut table, nents, bindings::GFP_KERNEL)
+            })?;
+        }
+        // INVARIANT: one entry, in the caller's slot; or several, allocated
+        // above and freed on drop (also on the errors below).
         let this = Self { table };
         let mut sg = this.table.sgl;
         let mut filled = 0;
         for seg in segs {
-            if sg.is_null() {
+            if sg.is_null() || filled == n {
                 return Err(EINVAL);
             }
             // Segments are bounded to `u32::MAX` by their producers.
@@ -62,9 +107,12 @@ impl SgTable {
                 (*sg).length = len;
                 (*sg).dma_address = seg.addr;
                 (*sg).dma_length = len;
-                sg = bindings::sg_next(sg);
             }
             filled += 1;
+            if filled < n {
+                // SAFETY: as above; not the last entry.
+                sg = unsafe { bindings::sg_next(sg) };
+            }
         }
         if filled != n {
             return Err(EINVAL);
@@ -74,9 +122,19 @@ impl SgTable {
 
     /// Builds a table with the segments of `addrs` (one bus address per page
     /// of `page` bytes), merging contiguous pages up to `max_seg` bytes.
-    pub(crate) fn coalesced(addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
+    ///
+    /// # Safety
+    ///
+    /// As for [`SgTable::new`].
+    pub(crate) unsafe fn coalesced(
+        slot: &SgSlot,
+        addrs: &[u64],
+        page: u64,
+        max_seg: u64,
+    ) -> Result<Self> {
         let n = crate::coalesce::count(addrs, page, max_seg);
-        Self::new(n, crate::coalesce::Coalescer::new(addrs, page, max_seg))
+        // SAFETY: as promised by the caller.
+        unsafe { Self::new(slot, n, crate::coalesce::Coalescer::new(addrs, page, max_seg)) }
     }
 
     /// Number of entries.
@@ -97,6 +155,10 @@ impl SgTable {
 
 impl Drop for SgTable {
     fn drop(&mut self) {
+        if self.table.orig_nents <= 1 {
+            // Empty, or one entry in the registration's slot: nothing to free.
+            return;
+        }
         // SAFETY: allocated by `sg_alloc_table` and not freed before (type
         // invariant; this runs once).
         unsafe { bindings::sg_free_table(&mut self.table) };

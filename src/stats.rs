@@ -176,19 +176,24 @@ impl Stats {
 }
 
 /// Counts `err` under `cause` and logs the first occurrence of each cause at
-/// error level; later ones are only counted.
+/// error level; later ones are only counted. Out of line and cold, so that
+/// the hot paths that can fail stay compact.
 macro_rules! fail {
-    ($cause:expr, $err:expr, $($fmt:tt)*) => {{
-        let err: kernel::error::Error = $err;
-        if $crate::stats::STATS.fail($cause) {
-            kernel::pr_err!(
-                "{} ({:?}); later failures of this kind are only counted in debugfs\n",
-                ::core::format_args!($($fmt)*),
-                err
-            );
-        }
-        err
-    }};
+    ($cause:expr, $err:expr, $($fmt:tt)*) => {
+        $crate::stats::failed($cause, $err, ::core::format_args!($($fmt)*))
+    };
+}
+
+/// The body of [`fail!`].
+#[cold]
+#[inline(never)]
+pub(crate) fn failed(cause: Cause, err: kernel::error::Error, what: fmt::Arguments<'_>) -> kernel::error::Error {
+    if STATS.fail(cause) {
+        kernel::pr_err!(
+            "{what} ({err:?}); later failures of this kind are only counted in debugfs\n"
+        );
+    }
+    err
 }
 pub(crate) use fail;
 
@@ -204,6 +209,8 @@ macro_rules! reg_dbg {
 pub(crate) use reg_dbg;
 
 /// Formats a debug line into a small buffer and prints it.
+#[cold]
+#[inline(never)]
 pub(crate) fn debug_line(args: fmt::Arguments<'_>) {
     struct Buf {
         b: [u8; 160],

@@ -63,6 +63,13 @@ fn find_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
     if let Some(g) = accounting::gpu_by_phys(phys) {
         return Some((g, None));
     }
+    new_gpu(phys)
+}
+
+/// A GPU not seen before (rare): found by walking the PCI devices.
+#[cold]
+#[inline(never)]
+fn new_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
     let mut chain = ffi::PeermemChain::default();
     let (mut start, mut end) = (0u64, 0u64);
     // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
@@ -72,6 +79,8 @@ fn find_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
     accounting::add_gpu(chain.id, start, end).map(|g| (g, Some(chain)))
 }
 
+#[cold]
+#[inline(never)]
 fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
     let mut peer_chain = ffi::PeermemChain::default();
     // SAFETY: a live device (the `PeerDevice` invariant), a valid out-pointer.
@@ -95,6 +104,8 @@ fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::P
     Some((path::classify(&a, &b), iommu.clamp(0, 4) as u32))
 }
 
+#[cold]
+#[inline(never)]
 fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
     let class = p.class.name();
     let acs = if p.acs_redirect {
@@ -137,7 +148,19 @@ impl Route {
                 pair: Some(found),
             };
         }
-        // A new pair (rare): classify it, from scratch if needed.
+        Self::new_pair(phys, gpu, chain, peer)
+    }
+
+    /// A new pair (rare): classifies it, from scratch if needed.
+    #[cold]
+    #[inline(never)]
+    fn new_pair(
+        phys: u64,
+        gpu: Gpu,
+        chain: Option<ffi::PeermemChain>,
+        peer: &PeerDevice,
+    ) -> Self {
+        let peer_id = peer.id();
         let chain = chain.or_else(|| {
             let mut c = ffi::PeermemChain::default();
             let (mut s, mut e) = (0u64, 0u64);
@@ -185,6 +208,8 @@ impl Route {
 
     /// A registration on this route failed with `e`; explains a refusal by
     /// the GPU driver's topology check once per pair.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn failed(&self, e: Error, by_driver_map: bool) {
         let Some((pair, class)) = &self.pair else {
             return;

@@ -322,9 +322,29 @@ pub fn register_loop(size: u64, count: u64, mode: &str) -> Result<(), String> {
         PMC_REG_INVAL_SUPP
     };
     let a = g.alloc(0, size.max(K64)).map_err(errno)?;
+    // With the harness clocks on (bench_timing), the client's own time per
+    // registration and deregistration, as `bench` measures it.
+    let timed = std::fs::read_to_string("/sys/module/peer_mem_core/parameters/bench_timing")
+        .is_ok_and(|s| s.trim() == "Y" || s.trim() == "1");
+    let own = || client_ns() - g.info().provider_ns as f64;
+    let (mut reg_own, mut dereg_own) = (Vec::new(), Vec::new());
     for _ in 0..count {
+        let o0 = if timed { own() } else { 0.0 };
         let h = c.reg(a.va, size, f).map_err(errno)?;
+        let o1 = if timed { own() } else { 0.0 };
         c.dereg(h).map_err(errno)?;
+        if timed {
+            let o2 = own();
+            reg_own.push((o1 - o0) / 1e3);
+            dereg_own.push((o2 - o1) / 1e3);
+        }
+    }
+    if timed {
+        println!(
+            "LOOP {mode} {size}: own time register {:.2} us, deregister {:.2} us (medians of {count})",
+            median(&mut reg_own),
+            median(&mut dereg_own)
+        );
     }
     Ok(())
 }
