@@ -11,6 +11,9 @@
 #include <linux/dynamic_debug.h>
 #include <linux/dma-mapping.h>
 #include <linux/pci.h>
+#include <linux/pid.h>
+#include <linux/pid_namespace.h>
+#include <linux/rcupdate.h>
 #include <linux/sched.h>
 #include <linux/stddef.h>
 #include <linux/workqueue.h>
@@ -48,7 +51,7 @@ struct peermem_chain {
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
-void peermem_current_comm(char *comm);
+void peermem_comm_of(u32 tgid, char *comm);
 
 static u32 peermem_pci_id(struct pci_dev *pdev);
 
@@ -197,10 +200,20 @@ int peermem_chain_of(struct device *dev, struct peermem_chain *out)
 	return 0;
 }
 
-/* The calling process's name, TASK_COMM_LEN bytes, NUL-terminated. */
-void peermem_current_comm(char *comm)
+/*
+ * The name of process @tgid (a pid of the initial namespace, as task->pid),
+ * TASK_COMM_LEN bytes, NUL-padded; all zero when it has exited.
+ */
+void peermem_comm_of(u32 tgid, char *comm)
 {
-	strscpy_pad(comm, current->group_leader->comm, TASK_COMM_LEN);
+	struct task_struct *t;
+
+	memset(comm, 0, TASK_COMM_LEN);
+	rcu_read_lock();
+	t = pid_task(find_pid_ns(tgid, &init_pid_ns), PIDTYPE_TGID);
+	if (t)
+		strscpy_pad(comm, t->comm, TASK_COMM_LEN);
+	rcu_read_unlock();
 }
 
 /* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */

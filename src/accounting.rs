@@ -11,7 +11,7 @@
 
 use core::fmt;
 
-use kernel::sync::atomic::{
+use crate::atomics::{
     Acquire,
     Atomic,
     Relaxed,
@@ -146,7 +146,6 @@ struct ProcSlot {
     /// tgid << 32 | live registrations; 0: free.
     owner: Atomic<u64>,
     pinned: Atomic<u64>,
-    comm: [Atomic<u64>; 2],
 }
 
 impl ProcSlot {
@@ -154,7 +153,6 @@ impl ProcSlot {
         Self {
             owner: Atomic::new(0),
             pinned: Atomic::new(0),
-            comm: [const { Atomic::new(0) }; 2],
         }
     }
 }
@@ -296,46 +294,43 @@ const NO_PROC: u16 = u16::MAX;
 // The slot numbers fit the compact charge.
 const _: () = assert!(GPUS < u16::MAX as usize && PROC_SHARDS * PROCS_PER_SHARD < NO_PROC as usize);
 
-fn store_comm(slot: &ProcSlot, comm: &[u8]) {
-    let mut w = [0u64; 2];
-    for (i, &b) in comm.iter().take(16).enumerate() {
-        w[i / 8] |= u64::from(b) << ((i % 8) * 8);
-    }
-    slot.comm[0].store(w[0], Relaxed);
-    slot.comm[1].store(w[1], Relaxed);
-}
-
 /// Adds one process's registration to its slot (made if needed).
-fn proc_add(tgid: u32, comm: impl FnOnce() -> [u8; 16], bytes: u64) -> Option<usize> {
+///
+/// A process first tries its home slot (one load and one compare-and-swap
+/// when the slot is its own or free), then one pass over its shard. Two
+/// slots can end up with the same process (its home slot was taken when it
+/// claimed another, and freed since); `show_processes` adds them up.
+fn proc_add(tgid: u32, bytes: u64) -> Option<usize> {
     let shard = tgid as usize % PROC_SHARDS;
     let slots = shard * PROCS_PER_SHARD..(shard + 1) * PROCS_PER_SHARD;
-    // Join the process's slot if it has one.
-    for i in slots.clone() {
+    let me = (u64::from(tgid) << 32) | 1;
+    let home = slots.start + (tgid as usize / PROC_SHARDS) % PROCS_PER_SHARD;
+    let join = |i: usize, free_too: bool| {
         let s = &PROC_TABLE[i];
         let mut cur = s.owner.load(Relaxed);
-        while cur != 0 && (cur >> 32) as u32 == tgid {
-            match s.owner.cmpxchg(cur, cur + 1, Acquire) {
+        loop {
+            let next = match cur {
+                0 if free_too => me,
+                c if c != 0 && (c >> 32) as u32 == tgid => c + 1,
+                _ => return false,
+            };
+            match s.owner.cmpxchg(cur, next, Acquire) {
                 Ok(_) => {
                     s.pinned.add(bytes, Relaxed);
-                    return Some(i);
+                    return true;
                 }
                 Err(now) => cur = now,
             }
         }
+    };
+    if join(home, true) {
+        return Some(home);
     }
-    // Claim a free one.
-    for i in slots {
-        let s = &PROC_TABLE[i];
-        if s.owner
-            .cmpxchg(0, (u64::from(tgid) << 32) | 1, Acquire)
-            .is_ok()
-        {
-            store_comm(s, &comm());
-            s.pinned.add(bytes, Relaxed);
-            return Some(i);
-        }
+    // The process's slot elsewhere in the shard, else the first free one.
+    if let Some(i) = slots.clone().find(|&i| join(i, false)) {
+        return Some(i);
     }
-    None
+    slots.clone().find(|&i| join(i, true))
 }
 
 fn proc_remove(i: usize, bytes: u64) {
@@ -353,14 +348,8 @@ fn proc_remove(i: usize, bytes: u64) {
 }
 
 /// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
-/// process `tgid` named `comm`.
-pub(crate) fn charge(
-    pair: Pair,
-    gpu: Gpu,
-    tgid: u32,
-    comm: impl FnOnce() -> [u8; 16],
-    bytes: u64,
-) -> Charge {
+/// process `tgid`.
+pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
     pair.slot().registrations.add(1, Relaxed);
     let g = &GPU_TABLE[gpu.slot];
     let step = usage_step(bytes);
@@ -372,7 +361,7 @@ pub(crate) fn charge(
             Err(m) => max = m,
         }
     }
-    let proc_slot = proc_add(tgid, comm, bytes).map_or(NO_PROC, |i| i as u16);
+    let proc_slot = proc_add(tgid, bytes).map_or(NO_PROC, |i| i as u16);
     // INVARIANT: what `release` subtracts was added here.
     Charge {
         bytes,
@@ -455,30 +444,37 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     Ok(())
 }
 
-/// debugfs `processes`.
+/// debugfs `processes`. The name is the process's when the file is read;
+/// empty when it has exited (its registrations' pins wait for the GPU
+/// driver's free callback).
 pub(crate) fn show_processes(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    for s in PROC_TABLE.iter() {
-        let owner = s.owner.load(Acquire);
-        if owner == 0 {
+    let tgid_of = |i: usize| {
+        let owner = PROC_TABLE[i].owner.load(Acquire);
+        (owner != 0).then_some((owner >> 32) as u32)
+    };
+    for i in 0..PROC_TABLE.len() {
+        let Some(tgid) = tgid_of(i) else { continue };
+        // One line per process: its first slot sums the others.
+        if (0..i).any(|j| tgid_of(j) == Some(tgid)) {
             continue;
         }
-        let mut comm = [0u8; 16];
-        for (i, w) in s.comm.iter().enumerate() {
-            comm[i * 8..i * 8 + 8].copy_from_slice(&w.load(Relaxed).to_le_bytes());
+        let (mut live, mut pinned) = (0u64, 0u64);
+        for s in PROC_TABLE[i..].iter() {
+            let owner = s.owner.load(Acquire);
+            if owner != 0 && (owner >> 32) as u32 == tgid {
+                live += owner & 0xffff_ffff;
+                pinned += s.pinned.load(Relaxed);
+            }
         }
+        let comm = crate::compat::comm_of(tgid);
         let end = comm.iter().position(|&b| b == 0).unwrap_or(16);
         let name = core::str::from_utf8(&comm[..end]).unwrap_or("?");
-        write!(f, "tgid={} comm=", owner >> 32)?;
+        write!(f, "tgid={tgid} comm=")?;
         // No spaces: one record per line, fields split by spaces.
         for c in name.chars() {
             write!(f, "{}", if c.is_whitespace() { '_' } else { c })?;
         }
-        writeln!(
-            f,
-            " live={} pinned_bytes={}",
-            owner & 0xffff_ffff,
-            s.pinned.load(Relaxed)
-        )?;
+        writeln!(f, " live={live} pinned_bytes={pinned}")?;
     }
     Ok(())
 }

@@ -16,7 +16,6 @@ use kernel::{
     },
     prelude::*,
     sync::{
-        atomic::Relaxed,
         Arc,
         ArcBorrow, //
     },
@@ -24,6 +23,7 @@ use kernel::{
 };
 
 use crate::{
+    atomics::Relaxed,
     core_link::CoreLink,
     ffi,
     registration::{

@@ -44,11 +44,12 @@ pub(crate) fn current_tgid() -> u32 {
     kernel::current!().group_leader().pid() as u32
 }
 
-/// The calling process's name (its thread group leader's `comm`).
-pub(crate) fn current_comm() -> [u8; 16] {
+/// The name of the process `tgid` (as [`current_tgid`] gives it), all zero
+/// when it has exited.
+pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {
     let mut comm = [0u8; 16];
     // SAFETY: a 16-byte buffer (TASK_COMM_LEN), written by the helper only.
-    unsafe { crate::ffi::peermem_current_comm(comm.as_mut_ptr().cast()) };
+    unsafe { crate::ffi::peermem_comm_of(tgid, comm.as_mut_ptr().cast()) };
     comm
 }
 

@@ -5,14 +5,13 @@
 
 use core::cell::UnsafeCell;
 
-use kernel::{
-    ffi::c_void,
-    sync::atomic::{
-        Acquire,
-        Atomic,
-        Release, //
-    },
+use crate::atomics::{
+    Acquire,
+    Atomic,
+    Release, //
 };
+
+use kernel::ffi::c_void;
 
 use crate::ffi;
 

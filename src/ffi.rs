@@ -81,7 +81,7 @@ extern "C" {
     /// 4 other.
     pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
     /// The calling process's name into a 16-byte buffer.
-    pub(crate) fn peermem_current_comm(comm: *mut c_char);
+    pub(crate) fn peermem_comm_of(tgid: u32, comm: *mut c_char);
 }
 
 /// `struct peermem_hop` of the C shim.

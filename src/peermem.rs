@@ -19,6 +19,7 @@ use kernel::{
 };
 
 mod accounting;
+mod atomics;
 mod bar_map;
 mod client;
 mod coalesce;
@@ -106,15 +107,20 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
     out
 }
 
+/// The path parameters, copied at load: they cannot change afterwards (no
+/// sysfs write), and reading a module parameter is a call per read.
+static PATH_POLICY: atomics::Atomic<u32> = atomics::Atomic::new(0);
+static PATH_ACCOUNTING: atomics::Atomic<u32> = atomics::Atomic::new(1);
+
 /// The `path_policy` parameter.
 pub(crate) fn policy_parameter() -> i32 {
-    compat::param(module_parameters::path_policy.value())
+    PATH_POLICY.load(atomics::Relaxed) as i32
 }
 
 /// The `path_accounting` parameter: whether registrations are charged per
 /// pair, GPU and process.
 pub(crate) fn accounting_parameter() -> bool {
-    compat::param::<i32>(module_parameters::path_accounting.value()) != 0
+    PATH_ACCOUNTING.load(atomics::Relaxed) != 0
 }
 
 /// This module's `struct module`.
@@ -186,7 +192,7 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
-        let policy = policy_parameter();
+        let policy: i32 = compat::param(module_parameters::path_policy.value());
         if !(0..=5).contains(&policy) {
             pr_err!("invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n");
             return Err(EINVAL);
@@ -196,6 +202,10 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameter path_accounting={accounting} (0 or 1)\n");
             return Err(EINVAL);
         }
+        // Before any client is registered (no registration can read them
+        // earlier); validated above.
+        PATH_POLICY.store(policy as u32, atomics::Relaxed);
+        PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
         let dir = Dir::new(c"nvidia_peermem");
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", (), &show_stats),

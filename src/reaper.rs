@@ -14,17 +14,16 @@
 
 use core::ptr;
 
+use crate::atomics::{
+    Acquire,
+    Atomic,
+    Release, //
+};
+
 use kernel::{
     bindings,
     prelude::*,
-    sync::{
-        atomic::{
-            Acquire,
-            Atomic,
-            Release, //
-        },
-        Arc, //
-    },
+    sync::Arc,
     workqueue::Queue, //
 };
 

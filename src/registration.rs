@@ -14,7 +14,6 @@ use kernel::{
     new_spinlock,
     prelude::*,
     sync::{
-        atomic::Relaxed,
         lock::{
             spinlock::SpinLockBackend,
             Guard, //
@@ -34,6 +33,7 @@ use core::num::NonZeroUsize;
 
 use crate::{
     accounting::Charge,
+    atomics::Relaxed,
     bar_map::{
         BarMap,
         Iovas, //

@@ -134,7 +134,13 @@ impl SgTable {
     ) -> Result<Self> {
         let n = crate::coalesce::count(addrs, page, max_seg);
         // SAFETY: as promised by the caller.
-        unsafe { Self::new(slot, n, crate::coalesce::Coalescer::new(addrs, page, max_seg)) }
+        unsafe {
+            Self::new(
+                slot,
+                n,
+                crate::coalesce::Coalescer::new(addrs, page, max_seg),
+            )
+        }
     }
 
     /// Number of entries.

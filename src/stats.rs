@@ -5,7 +5,7 @@
 
 use core::fmt;
 
-use kernel::sync::atomic::{
+use crate::atomics::{
     Atomic,
     Relaxed, //
 };
@@ -187,7 +187,11 @@ macro_rules! fail {
 /// The body of [`fail!`].
 #[cold]
 #[inline(never)]
-pub(crate) fn failed(cause: Cause, err: kernel::error::Error, what: fmt::Arguments<'_>) -> kernel::error::Error {
+pub(crate) fn failed(
+    cause: Cause,
+    err: kernel::error::Error,
+    what: fmt::Arguments<'_>,
+) -> kernel::error::Error {
     if STATS.fail(cause) {
         kernel::pr_err!(
             "{what} ({err:?}); later failures of this kind are only counted in debugfs\n"

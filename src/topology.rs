@@ -59,26 +59,6 @@ fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
     n
 }
 
-fn find_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
-    if let Some(g) = accounting::gpu_by_phys(phys) {
-        return Some((g, None));
-    }
-    new_gpu(phys)
-}
-
-/// A GPU not seen before (rare): found by walking the PCI devices.
-#[cold]
-#[inline(never)]
-fn new_gpu(phys: u64) -> Option<(Gpu, Option<ffi::PeermemChain>)> {
-    let mut chain = ffi::PeermemChain::default();
-    let (mut start, mut end) = (0u64, 0u64);
-    // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
-    if unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) } != 0 {
-        return None;
-    }
-    accounting::add_gpu(chain.id, start, end).map(|g| (g, Some(chain)))
-}
-
 #[cold]
 #[inline(never)]
 fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
@@ -134,42 +114,45 @@ impl Route {
     /// The route of pages starting at bus address `phys` to `peer`.
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
         let peer_id = peer.id();
-        let Some((gpu, chain)) = find_gpu(phys) else {
+        let Some(gpu) = accounting::gpu_by_phys(phys) else {
+            return Self::new_pair(phys, None, peer);
+        };
+        match accounting::find_pair(gpu.id, peer_id) {
+            Some(found) => Self {
+                gpu: Some(gpu),
+                peer: peer_id,
+                pair: Some(found),
+            },
+            None => Self::new_pair(phys, Some(gpu), peer),
+        }
+    }
+
+    /// A new pair, maybe of a new GPU (rare): walks the PCI devices,
+    /// classifies the pair and records both.
+    #[cold]
+    #[inline(never)]
+    fn new_pair(phys: u64, known: Option<Gpu>, peer: &PeerDevice) -> Self {
+        let peer_id = peer.id();
+        let mut chain = ffi::PeermemChain::default();
+        let (mut start, mut end) = (0u64, 0u64);
+        // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
+        let rc = unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) };
+        let found = rc == 0;
+        let gpu = match known {
+            Some(g) => Some(g),
+            None if found => accounting::add_gpu(chain.id, start, end),
+            None => None,
+        };
+        let Some(gpu) = gpu else {
             return Self {
                 gpu: None,
                 peer: peer_id,
                 pair: None,
             };
         };
-        if let Some(found) = accounting::find_pair(gpu.id, peer_id) {
-            return Self {
-                gpu: Some(gpu),
-                peer: peer_id,
-                pair: Some(found),
-            };
-        }
-        Self::new_pair(phys, gpu, chain, peer)
-    }
-
-    /// A new pair (rare): classifies it, from scratch if needed.
-    #[cold]
-    #[inline(never)]
-    fn new_pair(
-        phys: u64,
-        gpu: Gpu,
-        chain: Option<ffi::PeermemChain>,
-        peer: &PeerDevice,
-    ) -> Self {
-        let peer_id = peer.id();
-        let chain = chain.or_else(|| {
-            let mut c = ffi::PeermemChain::default();
-            let (mut s, mut e) = (0u64, 0u64);
-            // SAFETY: valid out-pointers.
-            (unsafe { ffi::peermem_gpu_by_phys(phys, &mut c, &mut s, &mut e) } == 0).then_some(c)
-        });
-        let pair = chain
-            .as_ref()
-            .and_then(|c| classify(c, peer))
+        let pair = found
+            .then(|| classify(&chain, peer))
+            .flatten()
             .and_then(|(p, iommu)| {
                 let (pair, new) =
                     accounting::add_pair(gpu.id, peer_id, p.class, p.acs_redirect, iommu)?;
@@ -232,13 +215,6 @@ impl Route {
         }
         let (pair, _) = self.pair?;
         let gpu = self.gpu?;
-        // The name is read only when the process gets its slot.
-        Some(accounting::charge(
-            pair,
-            gpu,
-            compat::current_tgid(),
-            compat::current_comm,
-            bytes,
-        ))
+        Some(accounting::charge(pair, gpu, compat::current_tgid(), bytes))
     }
 }

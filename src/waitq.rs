@@ -12,18 +12,13 @@
 
 use core::ptr;
 
-use kernel::{
-    new_condvar,
-    prelude::*,
-    sync::{
-        atomic::{
-            Acquire,
-            Atomic,
-            Release, //
-        },
-        CondVar, //
-    },
+use crate::atomics::{
+    Acquire,
+    Atomic,
+    Release, //
 };
+
+use kernel::{new_condvar, prelude::*, sync::CondVar};
 
 /// The queue, published from `WaitQueue::new` until its drop.
 static QUEUE: Atomic<*mut CondVar> = Atomic::new(ptr::null_mut());
