@@ -34,6 +34,7 @@ mod peer_device;
 mod provider_map;
 mod range;
 mod reaper;
+mod reg_lock;
 mod registration;
 mod sg;
 mod stats;

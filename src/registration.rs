@@ -11,15 +11,12 @@
 
 use kernel::{
     bindings,
-    new_spinlock,
     prelude::*,
     sync::{
         lock::{
-            spinlock::SpinLockBackend,
             Guard, //
         },
         Arc,
-        SpinLock, //
     },
     workqueue::{
         impl_has_work,
@@ -33,7 +30,10 @@ use core::num::NonZeroUsize;
 
 use crate::{
     accounting::Charge,
-    atomics::Relaxed,
+    atomics::{
+        Atomic,
+        Relaxed, //
+    },
     bar_map::{
         BarMap,
         Iovas, //
@@ -63,6 +63,11 @@ use crate::{
         GPU_PAGE_SIZE, //
     },
     reaper::Deferred,
+    reg_lock::{
+        new_reg_lock,
+        RegLock,
+        RegLockBackend, //
+    },
     sg::{
         SgSlot,
         SgTable, //
@@ -149,12 +154,17 @@ pub(crate) struct Registration {
     range: GpuRange,
     link: Option<&'static CoreLink>,
     #[pin]
-    inner: SpinLock<Inner>,
+    inner: RegLock<Inner>,
     /// The scatterlist entry of a one-run mapping. Only the mapping being
     /// made or held by `inner` uses it (the lifecycle holds at most one,
     /// built in Mapping), and every mapping is dropped before the
     /// registration is freed (it lives in `inner` or in a local of a method).
     sg_slot: SgSlot,
+    /// Whether the lifecycle holds a mapping: written under `inner` by every
+    /// call that installs or takes one, read without it by `put_pages`,
+    /// which the core calls right after `dma_unmap` and which then has
+    /// nothing to do (see there).
+    holds_map: Atomic<u32>,
     /// Drops the free callback's reference from the module's queue.
     #[pin]
     reap: Work<Registration>,
@@ -224,15 +234,16 @@ impl Registration {
                 mode,
                 range,
                 link,
-                inner <- new_spinlock!(Inner {
+                inner <- new_reg_lock!(Inner {
                     lc,
                     pin_error: None,
                     in_core: None,
                     mapper: false,
                     waiters: 0,
                     charge: None,
-                }),
+                }, c"Registration::inner"),
                 sg_slot: SgSlot::new(),
+                holds_map: Atomic::new(0),
                 reap <- new_work!("Registration::reap"),
                 _live: live,
             }),
@@ -437,6 +448,7 @@ impl Registration {
                 // device never saw it.
                 Err(map) => map,
                 Ok(()) => {
+                    self.holds_map.store(1, Relaxed);
                     // Counted until the pin ends (under this lock, so that a
                     // revoke cannot end the pin in between).
                     g.charge = route.charge(self.range.len);
@@ -493,14 +505,32 @@ impl Registration {
     /// `dma_unmap`: idempotent; undoes the client's mapping, also after a
     /// revoke (it is ours, never the GPU driver's).
     pub(crate) fn dma_unmap(&self) {
-        let map = self.inner.lock().lc.unmap();
+        let map = {
+            let mut g = self.inner.lock();
+            self.holds_map.store(0, Relaxed);
+            g.lc.unmap()
+        };
         drop(map);
     }
 
     /// `put_pages`: as `dma_unmap`; the unpin waits for `release` (see
     /// [`Lifecycle::put_pages`]).
+    ///
+    /// Without a mapping (the core's usual order: `dma_unmap`, then
+    /// `put_pages`) it returns without the lock. A mapping is installed only
+    /// by `dma_map`, which the core does not run concurrently with
+    /// `put_pages` of the same registration; if a core did, skipping is the
+    /// same as running just before the install, and `dma_unmap` or
+    /// `release` (which always takes the mapping) undoes it.
     pub(crate) fn put_pages(&self) {
-        let map = self.inner.lock().lc.put_pages();
+        if self.holds_map.load(Relaxed) == 0 {
+            return;
+        }
+        let map = {
+            let mut g = self.inner.lock();
+            self.holds_map.store(0, Relaxed);
+            g.lc.put_pages()
+        };
         drop(map);
     }
 
@@ -516,6 +546,7 @@ impl Registration {
             while g.in_core.is_some_and(|t| t != me) {
                 self.wait(&mut g);
             }
+            self.holds_map.store(0, Relaxed);
             g.lc.release(compat::current_tgid())
         };
         drop(r.map);
@@ -537,7 +568,7 @@ impl Registration {
     /// Waits on the module's queue (`core_left`), counted in `waiters` so
     /// that wakers know. Whoever changes what the caller waits for does so
     /// under this registration's lock and then wakes the queue.
-    fn wait(&self, g: &mut Guard<'_, Inner, SpinLockBackend>) {
+    fn wait(&self, g: &mut Guard<'_, Inner, RegLockBackend>) {
         // Always there: a registration exists only while the queue does
         // (checked by `acquire`; the queue goes only after the last one).
         let Some(q) = crate::waitq::queue() else {
