@@ -67,15 +67,28 @@ pub(crate) struct Iovas {
 }
 
 impl Iovas {
-    /// No mappings yet, room for `count` runs (the only one inline).
-    fn with_capacity(dev: NonNull<device>, count: usize) -> Result<Self> {
-        let runs = if count == 1 {
-            Mapped::None
-        } else {
-            Mapped::Many(KVec::with_capacity(count, GFP_KERNEL)?)
-        };
+    /// No mappings yet.
+    fn new(dev: NonNull<device>) -> Self {
         // INVARIANT: no segment, nothing to undo.
-        Ok(Self { dev, runs })
+        Self {
+            dev,
+            runs: Mapped::None,
+        }
+    }
+
+    /// Records `seg`: the first inline, more in a vector.
+    fn record(&mut self, seg: Segment) -> Result {
+        match &mut self.runs {
+            Mapped::None => self.runs = Mapped::One(seg),
+            Mapped::One(first) => {
+                let mut v = KVec::with_capacity(4, GFP_KERNEL)?;
+                v.push(*first, GFP_KERNEL)?;
+                v.push(seg, GFP_KERNEL)?;
+                self.runs = Mapped::Many(v);
+            }
+            Mapped::Many(v) => v.push(seg, GFP_KERNEL)?,
+        }
+        Ok(())
     }
 
     /// Maps the BAR bytes `run` for the device and keeps the mapping.
@@ -94,17 +107,9 @@ impl Iovas {
             addr: dma,
             len: run.len,
         };
-        // INVARIANT: the new mapping is recorded, so `drop` undoes it; room
-        // was made for every run, so recording cannot fail, and if it did the
-        // mapping is undone here instead.
-        let recorded = match &mut self.runs {
-            Mapped::None => {
-                self.runs = Mapped::One(seg);
-                Ok(())
-            }
-            Mapped::Many(v) => v.push(seg, GFP_ATOMIC).map_err(Error::from),
-            Mapped::One(_) => Err(EINVAL),
-        };
+        // INVARIANT: the new mapping is recorded, so `drop` undoes it; if it
+        // cannot be (no memory), it is undone here instead.
+        let recorded = self.record(seg);
         if recorded.is_err() {
             // SAFETY: mapped just above for this device, not recorded.
             unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), dma, run.len) };
@@ -159,21 +164,33 @@ impl BarMap {
             return Err(compat::eopnotsupp());
         }
         let n = pages.len();
-        if (0..n).any(|i| pages.physical_address(i).is_none()) {
-            return Err(EINVAL);
-        }
-        let addr = |i| pages.physical_address(i).unwrap_or(0);
-        let max = peer.max_segment();
-        let count = Runs::new(n, addr, GPU_PAGE_SIZE, max).count();
-        let mut iovas = Iovas::with_capacity(NonNull::new(peer.dev()).ok_or(EINVAL)?, count)?;
-        for run in Runs::new(n, addr, GPU_PAGE_SIZE, max) {
-            // SAFETY: `run` is BAR memory of the caller's pinned table, which
-            // stays pinned until these mappings are undone: the unpin comes
-            // after `dma_unmap`/`release` dropped them, and a free callback
-            // drops them before it returns (`take_device_access`). On a later
+        let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
+        // One pass: each run is mapped as soon as it is found; a page
+        // without an address fails the whole mapping.
+        let missing = core::cell::Cell::new(false);
+        let addr = |i| {
+            pages.physical_address(i).unwrap_or_else(|| {
+                missing.set(true);
+                0
+            })
+        };
+        let mut iovas = Iovas::new(dev);
+        for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
+            if missing.get() {
+                return Err(EINVAL);
+            }
+            // SAFETY: `run` is BAR memory of the caller's pinned table (every
+            // page of it has an address, checked just above), which stays
+            // pinned until these mappings are undone: the unpin comes after
+            // `dma_unmap`/`release` dropped them, and a free callback drops
+            // them before it returns (`take_device_access`). On a later
             // failure `iovas` drops and unmaps what it mapped.
             unsafe { iovas.map(run) }?;
         }
+        if missing.get() {
+            return Err(EINVAL);
+        }
+        let count = iovas.runs.as_slice().len();
         // SAFETY: as promised by the caller.
         let sg = unsafe { SgTable::new(slot, count, iovas.runs.as_slice().iter().copied()) }?;
         // INVARIANT: the scatterlist was built from exactly these runs.
