@@ -44,6 +44,16 @@ pub(crate) fn current_tgid() -> u32 {
     kernel::current!().group_leader().pid() as u32
 }
 
+/// The calling task, compared only, and its process's id (one lookup of
+/// `current` for both).
+pub(crate) fn current_ids() -> (core::num::NonZeroUsize, u32) {
+    let task = kernel::current!();
+    // A task pointer is never NULL.
+    let me = core::num::NonZeroUsize::new(task.as_ptr() as usize)
+        .unwrap_or(core::num::NonZeroUsize::MIN);
+    (me, task.group_leader().pid() as u32)
+}
+
 /// The name of the process `tgid` (as [`current_tgid`] gives it), all zero
 /// when it has exited.
 pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {

@@ -392,6 +392,18 @@ impl<R: Resources> Lifecycle<R> {
         (action, table)
     }
 
+    /// The process that pinned, while the pin is usable.
+    pub(crate) fn owner(&self) -> Option<u32> {
+        match &self.state {
+            State::Pinned(p)
+            | State::Unusable(p)
+            | State::Bound(p, _)
+            | State::Mapping(p, _)
+            | State::Mapped(p, _, _) => Some(p.owner),
+            _ => None,
+        }
+    }
+
     /// The mapping the core holds, while mapped.
     pub(crate) fn map(&self) -> Option<&R::Map> {
         match &self.state {

@@ -191,8 +191,7 @@ impl WorkItem for Registration {
 
 /// The calling task, compared only.
 fn current_task() -> NonZeroUsize {
-    // A task pointer is never NULL.
-    NonZeroUsize::new(kernel::current!().as_ptr() as usize).unwrap_or(NonZeroUsize::MIN)
+    compat::current_ids().0
 }
 
 fn refused(r: Refusal, call: &str) -> Error {
@@ -451,7 +450,8 @@ impl Registration {
                     self.holds_map.store(1, Relaxed);
                     // Counted until the pin ends (under this lock, so that a
                     // revoke cannot end the pin in between).
-                    g.charge = route.charge(self.range.len);
+                    let owner = g.lc.owner().unwrap_or(0);
+                    g.charge = route.charge(owner, self.range.len);
                     return Ok(g.lc.map().map_or(0, |m| {
                         // SAFETY: `sg_head` is the core's table (caller).
                         unsafe { m.sg().publish(sg_head) };
@@ -540,14 +540,14 @@ impl Registration {
     /// what that callback uses once we return), unless the caller is that
     /// callback (OFED 4.x releases from inside its invalidate).
     pub(crate) fn release(self: Arc<Self>) {
-        let me = current_task();
+        let (me, tgid) = compat::current_ids();
         let r = {
             let mut g = self.inner.lock();
             while g.in_core.is_some_and(|t| t != me) {
                 self.wait(&mut g);
             }
             self.holds_map.store(0, Relaxed);
-            g.lc.release(compat::current_tgid())
+            g.lc.release(tgid)
         };
         drop(r.map);
         if r.orphaned {

@@ -208,13 +208,14 @@ impl Route {
         }
     }
 
-    /// Counts a mapped registration of `bytes` for the calling process.
-    pub(crate) fn charge(&self, bytes: u64) -> Option<Charge> {
+    /// Counts a mapped registration of `bytes` for the process `tgid` (the
+    /// one that pinned it).
+    pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
         if !crate::accounting_parameter() {
             return None;
         }
         let (pair, _) = self.pair?;
         let gpu = self.gpu?;
-        Some(accounting::charge(pair, gpu, compat::current_tgid(), bytes))
+        Some(accounting::charge(pair, gpu, tgid, bytes))
     }
 }
