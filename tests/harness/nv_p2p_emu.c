@@ -197,6 +197,7 @@ static bool unloading;
 static atomic64_t st_pins, st_ppins, st_unpins, st_callbacks, st_live_tables, st_live_maps, st_dma_maps;
 static atomic64_t st_bytes;	/* memory of live tables and mappings, as kmalloc rounds it */
 static atomic64_t st_ns;	/* time inside the exported calls (benchmark: client's own share) */
+static atomic64_t st_map_ns;	/* the part of it inside dma_map_pages/dma_unmap_pages */
 static atomic64_t st_foreign_puts, st_failed_unpins, st_stale, st_deferred_cbs, st_reused,
 		  st_topo_refusals, st_reentries;
 
@@ -1049,8 +1050,11 @@ int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table 
 			     struct nvidia_p2p_dma_mapping **dma_mapping)
 {
 	u64 t0 = clock_start();
+	int ret = dma_map_pages(peer, page_table, dma_mapping);
 
-	return timed(t0, dma_map_pages(peer, page_table, dma_mapping));
+	if (t0)
+		atomic64_add(ktime_get_ns() - t0, &st_map_ns);
+	return timed(t0, ret);
 }
 EXPORT_SYMBOL(nvidia_p2p_dma_map_pages);
 
@@ -1097,8 +1101,11 @@ int nvidia_p2p_dma_unmap_pages(struct pci_dev *peer, struct nvidia_p2p_page_tabl
 			       struct nvidia_p2p_dma_mapping *dma_mapping)
 {
 	u64 t0 = clock_start();
+	int ret = dma_unmap_pages(peer, page_table, dma_mapping);
 
-	return timed(t0, dma_unmap_pages(peer, page_table, dma_mapping));
+	if (t0)
+		atomic64_add(ktime_get_ns() - t0, &st_map_ns);
+	return timed(t0, ret);
 }
 EXPORT_SYMBOL(nvidia_p2p_dma_unmap_pages);
 
@@ -1308,6 +1315,7 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	info.dma_maps = atomic64_read(&st_dma_maps);
 	info.provider_bytes = atomic64_read(&st_bytes);
 	info.provider_ns = atomic64_read(&st_ns);
+	info.provider_map_ns = atomic64_read(&st_map_ns);
 	info.foreign_puts = atomic64_read(&st_foreign_puts);
 	info.failed_unpins = atomic64_read(&st_failed_unpins);
 	info.stale_puts = atomic64_read(&st_stale);

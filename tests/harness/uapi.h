@@ -41,6 +41,7 @@ struct nvemu_info {
 	__u64 reused_tables;	/* pins handed the address of a just-freed page table */
 	__u64 topo_refusals;	/* dma_map_pages refused by the topology gate (-ENOTSUPP) */
 	__u64 rm_reentries;	/* RM entered by the RM lock's holder (from a free callback): -EIO */
+	__u64 provider_map_ns;	/* part of provider_ns inside dma_map_pages/dma_unmap_pages */
 };
 
 #define NVEMU_IOC_ALLOC	_IOWR('N', 1, struct nvemu_alloc)

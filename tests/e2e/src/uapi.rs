@@ -41,6 +41,7 @@ pub struct NvemuInfo {
     pub reused_tables: u64,
     pub topo_refusals: u64,
     pub rm_reentries: u64,
+    pub provider_map_ns: u64,
 }
 
 pub const NVEMU_IOC_ALLOC: u64 = ioc(R | W, b'N', 1, core::mem::size_of::<NvemuAlloc>());
@@ -130,6 +131,6 @@ pub const PMC_IOC_QUERY: u64 = ioc(R | W, b'P', 3, core::mem::size_of::<PmcQuery
 pub const PMC_IOC_DMA: u64 = ioc(W, b'P', 4, core::mem::size_of::<PmcDma>());
 pub const PMC_IOC_INFO: u64 = ioc(R, b'P', 5, core::mem::size_of::<PmcInfo>());
 
-const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 208);
+const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 216);
 const _: () = assert!(core::mem::size_of::<PmcQuery>() == 144);
 const _: () = assert!(core::mem::size_of::<PmcDma>() == 40);
