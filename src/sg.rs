@@ -11,6 +11,36 @@ use kernel::{
 
 use crate::coalesce::Segment;
 
+/// `page_link` bits (include/linux/scatterlist.h): the entry is a link to
+/// the next chunk of the table, or the table's last entry.
+const SG_CHAIN: kernel::ffi::c_ulong = 0x1;
+const SG_END: kernel::ffi::c_ulong = 0x2;
+
+/// The entry after `sg` in its table, or NULL after the last: the kernel's
+/// `sg_next`, inline (the kernel's is a call per entry, through a Rust
+/// helper on top, for tables of up to 16,384 entries).
+///
+/// # Safety
+///
+/// `sg` must be an entry of a table set up by `sg_alloc_table`.
+unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
+    // SAFETY: an entry of a live table (caller).
+    if unsafe { (*sg).page_link } & SG_END != 0 {
+        return core::ptr::null_mut();
+    }
+    // SAFETY: not the last entry, so the next slot of its chunk is an entry
+    // or the link to the next chunk (`sg_alloc_table` reserves it).
+    let following = unsafe { sg.add(1) };
+    // SAFETY: as above.
+    let link = unsafe { (*following).page_link };
+    if link & SG_CHAIN != 0 {
+        // The link holds the next chunk's first entry.
+        (link & !(SG_CHAIN | SG_END)) as *mut bindings::scatterlist
+    } else {
+        following
+    }
+}
+
 /// Room for a one-entry scatterlist inside a registration: a contiguous
 /// registration (the common case) needs no allocation for its table.
 pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
@@ -79,7 +109,7 @@ impl SgTable {
             // `page_link`, `sg_mark_end`) is a one-entry list.
             unsafe {
                 sg.write(core::mem::zeroed());
-                (*sg).page_link = 0x2;
+                (*sg).page_link = SG_END;
             }
             table.sgl = sg;
             table.nents = 1;
@@ -111,7 +141,7 @@ impl SgTable {
             filled += 1;
             if filled < n {
                 // SAFETY: as above; not the last entry.
-                sg = unsafe { bindings::sg_next(sg) };
+                sg = unsafe { next(sg) };
             }
         }
         if filled != n {
