@@ -139,8 +139,9 @@ struct Inner {
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
-    /// Tasks of this registration waiting on the module's queue: wake-ups are sent only when there are
-    /// some (a registration without races never calls into the wait queue).
+    /// Tasks of this registration waiting on the module's queue: wake-ups
+    /// are sent only when there are some (a registration without races
+    /// never calls into the wait queue).
     waiters: u32,
     /// What the registration is counted under per pair, GPU and process,
     /// from its mapping until its pin ends.
