@@ -41,7 +41,7 @@ pub(crate) fn param<T: Copy>(v: impl Borrow<T>) -> T {
 /// The calling process's id (the thread group's), as the GPU driver keys
 /// non-persistent pins by it.
 pub(crate) fn current_tgid() -> u32 {
-    kernel::current!().group_leader().pid() as u32
+    current_ids().1
 }
 
 /// The calling task, compared only, and its process's id (one lookup of

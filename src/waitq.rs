@@ -18,7 +18,11 @@ use crate::atomics::{
     Release, //
 };
 
-use kernel::{new_condvar, prelude::*, sync::CondVar};
+use kernel::{
+    new_condvar,
+    prelude::*,
+    sync::CondVar, //
+};
 
 /// The queue, published from `WaitQueue::new` until its drop.
 static QUEUE: Atomic<*mut CondVar> = Atomic::new(ptr::null_mut());
