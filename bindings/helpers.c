@@ -15,6 +15,7 @@
 #include <linux/pid_namespace.h>
 #include <linux/rcupdate.h>
 #include <linux/sched.h>
+#include <linux/slab.h>
 #include <linux/stddef.h>
 #include <linux/workqueue.h>
 #include "nv-p2p.h"
@@ -26,6 +27,9 @@ int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
 struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
+bool peermem_reap_kick(struct workqueue_struct *wq);
+struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
+void peermem_reap_run(void);	/* Rust, src/reaper.rs */
 
 /* One bridge above a device, for the path classification in Rust. */
 struct peermem_hop {
@@ -113,6 +117,29 @@ struct workqueue_struct *peermem_wq_alloc(void)
 void peermem_wq_destroy(struct workqueue_struct *wq)
 {
 	destroy_workqueue(wq);
+}
+
+/*
+ * The module's one reap work: drops the references that free callbacks
+ * handed over (src/reaper.rs). Queued on the module's queue, which the
+ * module's exit drains.
+ */
+static void peermem_reap_fn(struct work_struct *work)
+{
+	peermem_reap_run();
+}
+
+static DECLARE_WORK(peermem_reap_work, peermem_reap_fn);
+
+bool peermem_reap_kick(struct workqueue_struct *wq)
+{
+	return queue_work(wq, &peermem_reap_work);
+}
+
+/* The exact-size cache of registration objects (src/reg_ref.rs). */
+struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align)
+{
+	return kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);
 }
 
 static u32 peermem_pci_id(struct pci_dev *pdev)

@@ -277,11 +277,11 @@ impl Pair {
 /// # Invariants
 ///
 /// Built only by [`charge`], which added exactly what [`Charge::release`]
-/// subtracts.
+/// subtracts when given the same byte count.
 ///
-/// Small (16 bytes, also as an `Option`): it lives in every registration.
+/// Small (4 bytes, also as an `Option`): it lives in every registration,
+/// which knows its byte count.
 pub(crate) struct Charge {
-    bytes: u64,
     /// The GPU's slot + 1.
     gpu: core::num::NonZeroU16,
     /// The process's slot, or [`NO_PROC`].
@@ -292,6 +292,7 @@ pub(crate) struct Charge {
 const NO_PROC: u16 = u16::MAX;
 
 // The slot numbers fit the compact charge.
+const _: () = assert!(core::mem::size_of::<Option<Charge>>() == 4);
 const _: () = assert!(GPUS < u16::MAX as usize && PROC_SHARDS * PROCS_PER_SHARD < NO_PROC as usize);
 
 /// Adds one process's registration to its slot (made if needed).
@@ -364,19 +365,18 @@ pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
     let proc_slot = proc_add(tgid, bytes).map_or(NO_PROC, |i| i as u16);
     // INVARIANT: what `release` subtracts was added here.
     Charge {
-        bytes,
         gpu: core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16),
         proc_slot,
     }
 }
 
 impl Charge {
-    /// The registration's pin ended.
-    pub(crate) fn release(self) {
+    /// The registration's pin ended; `bytes` is what it was charged with.
+    pub(crate) fn release(self, bytes: u64) {
         let g = &GPU_TABLE[usize::from(self.gpu.get() - 1)];
-        g.usage.fetch_sub(usage_step(self.bytes), Relaxed);
+        g.usage.fetch_sub(usage_step(bytes), Relaxed);
         if self.proc_slot != NO_PROC {
-            proc_remove(usize::from(self.proc_slot), self.bytes);
+            proc_remove(usize::from(self.proc_slot), bytes);
         }
     }
 }

@@ -122,4 +122,8 @@ impl<T> Atomic<*mut T> {
     pub(crate) fn xchg(&self, v: *mut T, o: Ordering) -> *mut T {
         self.get().swap(v, o)
     }
+
+    pub(crate) fn cmpxchg(&self, old: *mut T, new: *mut T, o: Ordering) -> Result<*mut T, *mut T> {
+        self.get().compare_exchange(old, new, o, Relaxed)
+    }
 }

@@ -25,7 +25,9 @@ use crate::{
         Runs,
         Segment, //
     },
-    compat, ffi,
+    compat,
+    device_map::DeviceMap,
+    ffi,
     p2p::PageView,
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
@@ -35,100 +37,64 @@ use crate::{
     },
 };
 
-/// The mapped runs: none yet, one inline (a contiguous registration, the
-/// common case, costs no allocation), or a vector.
-enum Mapped {
-    None,
-    One(Segment),
-    Many(KVec<Segment>),
-}
-
-impl Mapped {
-    fn as_slice(&self) -> &[Segment] {
-        match self {
-            Mapped::None => &[],
-            Mapped::One(s) => core::slice::from_ref(s),
-            Mapped::Many(v) => v,
-        }
-    }
-}
-
-/// DMA mappings of BAR runs for one device, undone on drop.
+/// The client's DMA mapping of one BAR run for one device, undone on drop.
 ///
 /// # Invariants
 ///
-/// Each segment of `runs` is a live `dma_map_resource` mapping for `dev`,
+/// `[iova, iova + len)` is a live `dma_map_resource` mapping for `dev`,
 /// undone exactly once, on drop; `dev` stays alive while the core keeps the
 /// registration (it holds the device until it released the registration,
 /// which waits for this mapping to be dropped).
-pub(crate) struct Iovas {
+pub(crate) struct RunIova {
     dev: NonNull<device>,
-    runs: Mapped,
+    iova: u64,
+    len: u32,
 }
 
-impl Iovas {
-    /// No mappings yet.
-    fn new(dev: NonNull<device>) -> Self {
-        // INVARIANT: no segment, nothing to undo.
-        Self {
-            dev,
-            runs: Mapped::None,
-        }
-    }
+// SAFETY: the device pointer is only handed to the DMA API, callable from any
+// thread.
+unsafe impl Send for RunIova {}
 
-    /// Records `seg`: the first inline, more in a vector.
-    fn record(&mut self, seg: Segment) -> Result {
-        match &mut self.runs {
-            Mapped::None => self.runs = Mapped::One(seg),
-            Mapped::One(first) => {
-                let mut v = KVec::with_capacity(4, GFP_KERNEL)?;
-                v.push(*first, GFP_KERNEL)?;
-                v.push(seg, GFP_KERNEL)?;
-                self.runs = Mapped::Many(v);
-            }
-            Mapped::Many(v) => v.push(seg, GFP_KERNEL)?,
-        }
-        Ok(())
-    }
-
-    /// Maps the BAR bytes `run` for the device and keeps the mapping.
+impl RunIova {
+    /// Maps the BAR bytes `run` for `dev`.
     ///
     /// # Safety
     ///
-    /// `run` must be BAR memory that the GPU driver keeps pinned until this
-    /// object is dropped.
-    unsafe fn map(&mut self, run: Segment) -> Result {
-        let mut dma = 0u64;
-        // SAFETY: a live device (type invariant); `run` stays pinned (caller).
+    /// `run` must be BAR memory that the GPU driver keeps pinned until the
+    /// returned object is dropped, and `dev` a device the core keeps alive
+    /// as long.
+    unsafe fn map(dev: NonNull<device>, run: Segment) -> Result<Self> {
+        // Runs are bounded to `u32::MAX` bytes (`Runs`).
+        let len = u32::try_from(run.len).map_err(|_| EINVAL)?;
+        let mut iova = 0u64;
+        // SAFETY: a live device; `run` stays pinned (caller).
         kernel::error::to_result(unsafe {
-            ffi::peermem_map_bar(self.dev.as_ptr(), run.addr, run.len, &mut dma)
+            ffi::peermem_map_bar(dev.as_ptr(), run.addr, run.len, &mut iova)
         })?;
-        let seg = Segment {
-            addr: dma,
-            len: run.len,
-        };
-        // INVARIANT: the new mapping is recorded, so `drop` undoes it; if it
-        // cannot be (no memory), it is undone here instead.
-        let recorded = self.record(seg);
-        if recorded.is_err() {
-            // SAFETY: mapped just above for this device, not recorded.
-            unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), dma, run.len) };
+        // INVARIANT: mapped just above, undone by `drop`.
+        Ok(Self { dev, iova, len })
+    }
+
+    /// The mapped bus range, for the scatterlist.
+    fn segment(&self) -> Segment {
+        Segment {
+            addr: self.iova,
+            len: u64::from(self.len),
         }
-        recorded
     }
 }
 
-impl Drop for Iovas {
+impl Drop for RunIova {
     fn drop(&mut self) {
-        for r in self.runs.as_slice() {
-            // SAFETY: mapped for `dev` by `peermem_map_bar`, undone once
-            // (type invariant).
-            unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), r.addr, r.len) };
-        }
+        // SAFETY: mapped for `dev` by `peermem_map_bar`, undone once (type
+        // invariant).
+        unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), self.iova, u64::from(self.len)) };
     }
 }
 
-/// A scatterlist over the client's own mappings of BAR pages.
+/// The client's mappings of several BAR runs, with their scatterlist (BAR
+/// pages that are not contiguous: rare, so kept in an allocation of its own,
+/// out of every registration's size).
 ///
 /// # Invariants
 ///
@@ -138,68 +104,82 @@ impl Drop for Iovas {
 pub(crate) struct BarMap {
     // Drop order: the scatterlist the core saw goes first, then the IOVAs.
     sg: SgTable,
-    iovas: Option<Iovas>,
+    iovas: Option<KVec<RunIova>>,
 }
 
-// SAFETY: the device pointer is only handed to the DMA API, callable from any
-// thread; the rest is owned memory.
-unsafe impl Send for BarMap {}
-
-impl BarMap {
-    /// Maps every page of `pages` for `peer`, with a one-entry scatterlist
-    /// in `slot`.
-    ///
-    /// # Safety
-    ///
-    /// As for [`SgTable::new`]: `slot` outlives the returned map and no
-    /// other scatterlist is built in it while the map lives.
-    pub(crate) unsafe fn new(
-        pages: &PageView<'_>,
-        peer: &PeerDevice,
-        slot: &SgSlot,
-    ) -> Result<Self> {
-        if pages.coherent() {
-            // No BAR behind coherent memory: only the GPU driver knows how
-            // to map it, and it takes its lock to do so.
-            return Err(compat::eopnotsupp());
-        }
-        let n = pages.len();
-        let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
-        // One pass: each run is mapped as soon as it is found; a page
-        // without an address fails the whole mapping.
-        let missing = core::cell::Cell::new(false);
-        let addr = |i| {
-            pages.physical_address(i).unwrap_or_else(|| {
-                missing.set(true);
-                0
-            })
-        };
-        let mut iovas = Iovas::new(dev);
-        for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
-            if missing.get() {
-                return Err(EINVAL);
-            }
-            // SAFETY: `run` is BAR memory of the caller's pinned table (every
-            // page of it has an address, checked just above), which stays
-            // pinned until these mappings are undone: the unpin comes after
-            // `dma_unmap`/`release` dropped them, and a free callback drops
-            // them before it returns (`take_device_access`). On a later
-            // failure `iovas` drops and unmaps what it mapped.
-            unsafe { iovas.map(run) }?;
-        }
+/// Maps every page of `pages` for `peer`: one run, with its scatterlist
+/// entry in `slot` (no allocation), or several.
+///
+/// # Safety
+///
+/// `slot` is the registration's, and no other mapping of it uses the slot
+/// while the returned one lives (see [`SgSlot::fill`] and
+/// [`SgTable::new`]).
+pub(crate) unsafe fn map(
+    pages: &PageView<'_>,
+    peer: &PeerDevice,
+    slot: &SgSlot,
+) -> Result<DeviceMap> {
+    if pages.coherent() {
+        // No BAR behind coherent memory: only the GPU driver knows how
+        // to map it, and it takes its lock to do so.
+        return Err(compat::eopnotsupp());
+    }
+    let n = pages.len();
+    let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
+    // One pass: each run is mapped as soon as it is found; a page
+    // without an address fails the whole mapping.
+    let missing = core::cell::Cell::new(false);
+    let addr = |i| {
+        pages.physical_address(i).unwrap_or_else(|| {
+            missing.set(true);
+            0
+        })
+    };
+    let mut first: Option<RunIova> = None;
+    let mut more = KVec::new();
+    for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
         if missing.get() {
             return Err(EINVAL);
         }
-        let count = iovas.runs.as_slice().len();
-        // SAFETY: as promised by the caller.
-        let sg = unsafe { SgTable::new(slot, count, iovas.runs.as_slice().iter().copied()) }?;
-        // INVARIANT: the scatterlist was built from exactly these runs.
-        Ok(Self {
-            sg,
-            iovas: Some(iovas),
-        })
+        // SAFETY: `run` is BAR memory of the caller's pinned table (every
+        // page of it has an address, checked just above), which stays
+        // pinned until these mappings are undone: the unpin comes after
+        // `dma_unmap`/`release` dropped them, and a free callback drops
+        // them before it returns (`take_device_access`). On a later
+        // failure the locals drop and unmap what was mapped.
+        let iova = unsafe { RunIova::map(dev, run) }?;
+        if let Some(f) = first.take() {
+            more.push(f, GFP_KERNEL)?;
+        }
+        if more.is_empty() {
+            first = Some(iova);
+        } else {
+            more.push(iova, GFP_KERNEL)?;
+        }
     }
+    if missing.get() {
+        return Err(EINVAL);
+    }
+    if let Some(run) = first {
+        // SAFETY: the slot is this mapping's (caller).
+        unsafe { slot.fill(run.segment()) }?;
+        // INVARIANT: the slot's entry is this run's.
+        return Ok(DeviceMap::BarRun(Some(run)));
+    }
+    // SAFETY: as promised by the caller.
+    let sg = unsafe { SgTable::new(slot, more.len(), more.iter().map(RunIova::segment)) }?;
+    // INVARIANT: the scatterlist was built from exactly these runs.
+    Ok(DeviceMap::Bar(KBox::new(
+        BarMap {
+            sg,
+            iovas: Some(more),
+        },
+        GFP_KERNEL,
+    )?))
+}
 
+impl BarMap {
     /// The device lost access (the core revoked its mkey): the mappings, to
     /// be undone by dropping them, outside any spinlock.
     ///
@@ -209,7 +189,7 @@ impl BarMap {
     /// registration and returns (real-driver-behaviour.md, OFED 4.x
     /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
     /// uses it after the callback and KASAN reports it if it was freed.
-    pub(crate) fn take_device_access(&mut self) -> Option<Iovas> {
+    pub(crate) fn take_device_access(&mut self) -> Option<KVec<RunIova>> {
         // INVARIANT: from here on `sg` is memory only.
         self.iovas.take()
     }

@@ -14,18 +14,14 @@ use kernel::{
         c_ulong,
         c_void, //
     },
-    prelude::*,
-    sync::{
-        Arc,
-        ArcBorrow, //
-    },
-    types::ForeignOwnable,
+    prelude::*, //
 };
 
 use crate::{
     atomics::Relaxed,
     core_link::CoreLink,
     ffi,
+    reg_ref::RegRef,
     registration::{
         Mode,
         Registration, //
@@ -151,10 +147,10 @@ impl Drop for CoreRegistration {
 ///
 /// `ctx` must be a `client_context` this module returned from `acquire` and
 /// the core has not yet passed to `release`.
-unsafe fn borrow<'a>(ctx: *mut c_void) -> ArcBorrow<'a, Registration> {
-    // SAFETY: per the caller's guarantee, `ctx` came from `into_foreign` of an
-    // `Arc<Registration>` the core still owns.
-    unsafe { <Arc<Registration> as ForeignOwnable>::borrow(ctx.cast()) }
+unsafe fn borrow<'a>(ctx: *mut c_void) -> &'a Registration {
+    // SAFETY: per the caller's guarantee, `ctx` came from `into_raw` of a
+    // reference the core still owns.
+    unsafe { RegRef::borrow(ctx) }
 }
 
 /// `acquire`: claims the range if it is GPU memory the provider can pin.
@@ -169,23 +165,24 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     _peer_mem_name: *mut c_char,
     client_context: *mut *mut c_void,
 ) -> c_int {
-    let (mode, link) = if INVALIDATING {
+    // The invalidating client's registrations use `INVALIDATING_LINK`.
+    let mode = if INVALIDATING {
         if !INVALIDATING_LINK.ready() {
             // Registration with the core has not returned yet.
             return 0;
         }
-        (Mode::Invalidating, Some(&INVALIDATING_LINK))
+        Mode::Invalidating
     } else {
-        (Mode::Persistent, None)
+        Mode::Persistent
     };
     if client_context.is_null() {
         return 0;
     }
-    match Registration::acquire(addr as u64, size as u64, mode, link) {
+    match Registration::acquire(addr as u64, size as u64, mode) {
         Ok(reg) => {
             STATS.acquired.add(1, Relaxed);
             // SAFETY: `client_context` is a valid out-pointer (checked above).
-            unsafe { *client_context = reg.into_foreign().cast() };
+            unsafe { *client_context = reg.into_raw() };
             1
         }
         Err(_) => {
@@ -294,6 +291,6 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
 /// once.
 unsafe extern "C" fn release(client_context: *mut c_void) {
     // SAFETY: the core passes the context `acquire` returned, once, here.
-    let reg = unsafe { <Arc<Registration> as ForeignOwnable>::from_foreign(client_context.cast()) };
-    reg.release();
+    let reg = unsafe { RegRef::from_raw(client_context) };
+    Registration::release(reg);
 }

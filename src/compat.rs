@@ -11,6 +11,9 @@
 //! - 7.3 has `Task::tgid`; 7.2 reaches it through the group leader.
 //! - 7.3 names `EOPNOTSUPP` in `kernel::error::code`; 7.2 does not (and has
 //!   no public `const` constructor for an `Error`).
+//! - 7.3's pin-init initializes raw memory through `raw_try_init` (its
+//!   `PinInit::__pinned_init` is gone), 7.2's through `__pinned_init`
+//!   (probe `peermem_raw_try_init`).
 
 use core::borrow::Borrow;
 
@@ -44,13 +47,12 @@ pub(crate) fn current_tgid() -> u32 {
     current_ids().1
 }
 
-/// The calling task, compared only, and its process's id (one lookup of
-/// `current` for both).
-pub(crate) fn current_ids() -> (core::num::NonZeroUsize, u32) {
+/// The calling thread's id, compared only (unique among live tasks), and
+/// its process's id (one lookup of `current` for both).
+pub(crate) fn current_ids() -> (core::num::NonZeroU32, u32) {
     let task = kernel::current!();
-    // A task pointer is never NULL.
-    let me = core::num::NonZeroUsize::new(task.as_ptr() as usize)
-        .unwrap_or(core::num::NonZeroUsize::MIN);
+    // Only the idle tasks have id 0, and they never call into the module.
+    let me = core::num::NonZeroU32::new(task.pid() as u32).unwrap_or(core::num::NonZeroU32::MIN);
     (me, task.group_leader().pid() as u32)
 }
 
@@ -66,4 +68,20 @@ pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {
 /// `-EOPNOTSUPP`.
 pub(crate) fn eopnotsupp() -> Error {
     Error::from_errno(-(bindings::EOPNOTSUPP as i32))
+}
+
+/// Initializes the pinned value at `slot` with `init`.
+///
+/// # Safety
+///
+/// `slot` must be valid, properly aligned memory for a `T`, uninitialized,
+/// which does not move until the value is dropped; on `Err` it stays
+/// uninitialized and may only be freed.
+pub(crate) unsafe fn init_pinned<T, E>(slot: *mut T, init: impl PinInit<T, E>) -> Result<(), E> {
+    #[cfg(peermem_raw_try_init)]
+    // SAFETY: as promised by the caller.
+    return unsafe { pin_init::raw_try_init(slot, init) };
+    #[cfg(not(peermem_raw_try_init))]
+    // SAFETY: as promised by the caller.
+    return unsafe { init.__pinned_init(slot) };
 }

@@ -9,6 +9,7 @@
 use kernel::{
     bindings::{
         device,
+        kmem_cache,
         pci_dev,
         workqueue_struct, //
     },
@@ -67,6 +68,11 @@ extern "C" {
     pub(crate) fn peermem_wq_alloc() -> *mut workqueue_struct;
     /// Drains and frees a queue from [`peermem_wq_alloc`].
     pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
+    /// Queues the module's reap work (`reaper::peermem_reap_run`) on `wq`;
+    /// false if it was pending already.
+    pub(crate) fn peermem_reap_kick(wq: *mut workqueue_struct) -> bool;
+    /// A slab cache for objects of `size` bytes aligned to `align`, or NULL.
+    pub(crate) fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
     /// The PCI device whose memory BAR holds `phys`: its path up, and the
     /// BAR's first and last byte. 0 or -ENODEV.
     pub(crate) fn peermem_gpu_by_phys(

@@ -13,8 +13,7 @@ use core::ptr::NonNull;
 use kernel::{
     bindings::pci_dev,
     ffi::c_void,
-    prelude::*,
-    sync::Arc, //
+    prelude::*, //
 };
 
 use crate::{
@@ -23,6 +22,8 @@ use crate::{
         GpuRange,
         GPU_PAGE_SIZE, //
     },
+    reg_ref::RegRef,
+    registration::Registration,
 };
 
 /// Page-table major versions whose fields up to `gpu_uuid` we can read:
@@ -95,49 +96,34 @@ pub(crate) struct DmaMapping(NonNull<ffi::nvidia_p2p_dma_mapping>);
 // SAFETY: as for `PageTable`.
 unsafe impl Send for DmaMapping {}
 
-/// The owner of a non-persistent pin: what the GPU driver's free callback
-/// reaches.
-pub(crate) trait Revocable: Send + Sync {
-    /// The GPU driver is about to free the pinned pages; they (and any DMA
-    /// mapping of them) are gone once this returns.
-    fn revoke(&self);
-}
-
-/// The reference on `T` that the provider holds while the free callback of a
-/// non-persistent pin is armed.
+/// The reference on a registration that the provider holds while the free
+/// callback of a non-persistent pin is armed: a token without data (the
+/// registration that holds it in its lifecycle is the one referenced).
 ///
 /// # Invariants
 ///
-/// The pointer came from `Arc::into_raw` (kept as returned, with its
-/// provenance) and belongs to the provider: the free callback consumes it, or
-/// [`ArmedCallback::reclaim`] takes it back after an unpin that the callback
-/// did not race. Dropping the token leaves the reference where it is.
-pub(crate) struct ArmedCallback<T: Revocable>(NonNull<T>);
+/// Made only by [`get_pages`], when the provider accepted the callback with
+/// a counted reference on the pinning registration, which belongs to the
+/// provider: the free callback consumes it, or [`ArmedCallback::reclaim`]
+/// takes it back after an unpin that the callback did not race. Dropping the
+/// token leaves the reference where it is.
+pub(crate) struct ArmedCallback(());
 
-// SAFETY: the token only carries a pointer to a `Send + Sync` owner.
-unsafe impl<T: Revocable> Send for ArmedCallback<T> {}
-
-impl<T: Revocable> ArmedCallback<T> {
-    /// Takes the provider's reference back.
+impl ArmedCallback {
+    /// Takes the provider's reference on `reg` back.
     ///
     /// # Safety
     ///
-    /// The provider unpinned the pages (in the pinning process, with success)
-    /// and the free callback did not run, so it never will: the provider
-    /// looks the pin up under the lock it holds across the callback
-    /// (real-driver-behaviour.md, facts 2 and 8).
-    pub(crate) unsafe fn reclaim(self) -> Arc<T> {
-        // SAFETY: from `Arc::into_raw` (type invariant), and no longer the
-        // provider's (caller).
-        unsafe { Arc::from_raw(self.0.as_ptr()) }
+    /// `reg` must be the registration whose pin made this token. The provider
+    /// unpinned the pages (in the pinning process, with success) and the free
+    /// callback did not run, so it never will: the provider looks the pin up
+    /// under the lock it holds across the callback (real-driver-behaviour.md,
+    /// facts 2 and 8).
+    pub(crate) unsafe fn reclaim(self, reg: &Registration) -> RegRef {
+        // SAFETY: the provider's reference is counted on `reg` (type
+        // invariant) and no longer the provider's (caller).
+        unsafe { RegRef::adopt(reg) }
     }
-}
-
-/// Where the free callback hands its reference when it is done with it.
-pub(crate) trait Reaper<T: Revocable> {
-    /// Drops `owner` later, from code the module owns and waits for at exit,
-    /// so that the callback never drops the last module reference itself.
-    fn reap(owner: Arc<T>);
 }
 
 /// The free callback given to `nvidia_p2p_get_pages`.
@@ -146,12 +132,15 @@ pub(crate) trait Reaper<T: Revocable> {
 ///
 /// `data` is the reference that [`get_pages`] gave the provider; the provider
 /// calls this at most once, and only while the pin is armed.
-unsafe extern "C" fn free_trampoline<T: Revocable, D: Reaper<T>>(data: *mut c_void) {
+unsafe extern "C" fn free_trampoline(data: *mut c_void) {
     // SAFETY: the provider hands back the reference given in `get_pages`; it
-    // is consumed here (the owner's lifecycle then never reclaims it).
-    let owner = unsafe { Arc::from_raw(data.cast::<T>().cast_const()) };
+    // is consumed here (the registration's lifecycle then never reclaims it).
+    let owner = unsafe { RegRef::from_raw(data) };
     owner.revoke();
-    D::reap(owner);
+    // The callback's reference can be the registration's last one, and its
+    // drop drops a module reference: dropped from the module's queue, which
+    // its exit drains (see `reaper`), never here.
+    crate::reaper::defer(owner);
 }
 
 fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
@@ -173,11 +162,8 @@ pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
 /// Pins `range` with a free callback that calls `owner.revoke()` when the GPU
 /// driver frees the pages; the provider holds a reference of its own on
 /// `owner` meanwhile. The callback may run before this returns.
-pub(crate) fn get_pages<T: Revocable, D: Reaper<T>>(
-    range: &GpuRange,
-    owner: &Arc<T>,
-) -> Result<(PageTable, ArmedCallback<T>)> {
-    let raw = Arc::clone(owner).into_raw();
+pub(crate) fn get_pages(range: &GpuRange, owner: &RegRef) -> Result<(PageTable, ArmedCallback)> {
+    let raw = owner.clone().into_raw();
     let mut pt = core::ptr::null_mut();
     // SAFETY: `pt` is a valid out-pointer; `raw` is a reference of its own,
     // valid until the callback consumes it or the owner reclaims it.
@@ -188,18 +174,18 @@ pub(crate) fn get_pages<T: Revocable, D: Reaper<T>>(
             range.start,
             range.len,
             &mut pt,
-            Some(free_trampoline::<T, D>),
-            raw.cast_mut().cast::<c_void>(),
+            Some(free_trampoline),
+            raw,
         )
     };
     match table_from(rc, pt) {
-        // INVARIANT: `raw` came from `Arc::into_raw` (non-null) and the
-        // provider holds it.
-        Ok(t) => Ok((t, ArmedCallback(NonNull::new(raw.cast_mut()).ok_or(EIO)?))),
+        // INVARIANT: the provider holds the reference taken above, on
+        // `owner`.
+        Ok(t) => Ok((t, ArmedCallback(()))),
         Err(e) => {
             // SAFETY: the provider refused and did not keep the callback: the
             // reference taken above is ours again.
-            drop(unsafe { Arc::from_raw(raw) });
+            drop(unsafe { RegRef::from_raw(raw) });
             Err(e)
         }
     }

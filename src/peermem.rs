@@ -25,6 +25,7 @@ mod client;
 mod coalesce;
 mod compat;
 mod core_link;
+mod device_map;
 mod ffi;
 mod lifecycle;
 mod liveness;
@@ -35,6 +36,7 @@ mod provider_map;
 mod range;
 mod reaper;
 mod reg_lock;
+mod reg_ref;
 mod registration;
 mod sg;
 mod stats;
@@ -140,6 +142,7 @@ struct NvidiaPeermem {
     _reaper: reaper::ReapQueue,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
+    _cache: reg_ref::RegCache,
     _stats: Pin<KBox<File<()>>>,
     _paths: Pin<KBox<File<()>>>,
     _gpus: Pin<KBox<File<()>>>,
@@ -221,6 +224,7 @@ impl kernel::Module for NvidiaPeermem {
             dir.read_callback_file(c"processes", (), &show_processes),
             GFP_KERNEL,
         )?;
+        let cache = reg_ref::RegCache::new()?;
         let reaper = reaper::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let mut clients = KVec::new();
@@ -251,6 +255,7 @@ impl kernel::Module for NvidiaPeermem {
             _clients: clients,
             _reaper: reaper,
             _waitq: waitq,
+            _cache: cache,
             _stats: stats,
             _paths: paths,
             _gpus: gpus,

@@ -17,24 +17,35 @@ use core::ptr;
 use crate::atomics::{
     Acquire,
     Atomic,
+    Relaxed,
     Release, //
 };
 
 use kernel::{
     bindings,
-    prelude::*,
-    sync::Arc,
-    workqueue::Queue, //
+    prelude::*, //
 };
 
-use crate::{
-    ffi,
-    p2p::Reaper,
-    registration::Registration, //
-};
+use crate::{ffi, reg_ref::RegRef, registration::Registration};
 
 /// The queue, published while the module is loaded.
 static QUEUE: Atomic<*mut bindings::workqueue_struct> = Atomic::new(ptr::null_mut());
+
+/// Registrations whose free callback handed its reference over, each
+/// carrying that reference; linked through [`ReapLink`], newest first.
+/// Pushed by callbacks, emptied all at once by the module's work.
+static REAP_LIST: Atomic<*mut Registration> = Atomic::new(ptr::null_mut());
+
+/// A registration's link on the reap list, a field of the registration:
+/// written once, by the free callback that hands its reference over.
+pub(crate) struct ReapLink(Atomic<*mut Registration>);
+
+impl ReapLink {
+    /// Not on the list.
+    pub(crate) const fn new() -> Self {
+        Self(Atomic::new(ptr::null_mut()))
+    }
+}
 
 /// The module's queue; destroying it drains it.
 ///
@@ -64,29 +75,53 @@ impl Drop for ReapQueue {
             // SAFETY: allocated in `new`, destroyed once; no one queues any
             // more (every registration is gone: the clients are unregistered
             // and no reference is left, or the module could not be unloading).
+            // Destroying drains the module's work, which empties the list.
             unsafe { ffi::peermem_wq_destroy(wq) };
         }
     }
 }
 
-/// Drops registrations on the module's queue.
-pub(crate) struct Deferred;
+/// Drops `owner` (a free callback's reference) from the module's queue.
+pub(crate) fn defer(owner: RegRef) {
+    let wq = QUEUE.load(Acquire);
+    if wq.is_null() {
+        // Unreachable while the registration holds a module reference.
+        drop(owner);
+        return;
+    }
+    let node = owner.as_ptr();
+    core::mem::forget(owner);
+    let mut head = REAP_LIST.load(Relaxed);
+    loop {
+        // SAFETY: `node` is live (the reference forgotten above is now the
+        // list's) and not on the list: a pin's callback runs once, and a
+        // registration has one pin.
+        unsafe { (*node).reap_link().0.store(head, Relaxed) };
+        // Release: the link is written before the node is reachable.
+        match REAP_LIST.cmpxchg(head, node, Release) {
+            Ok(_) => break,
+            Err(now) => head = now,
+        }
+    }
+    // SAFETY: the queue lives until `ReapQueue` is dropped, which happens
+    // only after the module reference that the node holds is gone. Queueing
+    // work that is pending already is a no-op: the pending run will find the
+    // node.
+    unsafe { ffi::peermem_reap_kick(wq) };
+}
 
-impl Reaper<Registration> for Deferred {
-    fn reap(owner: Arc<Registration>) {
-        let wq = QUEUE.load(Acquire);
-        if wq.is_null() {
-            // Unreachable while the registration holds a module reference.
-            drop(owner);
-            return;
-        }
-        // SAFETY: the queue lives until `ReapQueue` is dropped, which happens
-        // only after the module reference that `owner` holds is gone.
-        let queue = unsafe { Queue::from_raw(wq) };
-        if let Err(owner) = queue.enqueue(owner) {
-            // Already queued: impossible (a callback runs once per pin), but
-            // never lose the reference.
-            drop(owner);
-        }
+/// The module's reap work: drops every reference on the list.
+#[no_mangle]
+pub(crate) extern "C" fn peermem_reap_run() {
+    // Acquire: the links written before each push are visible.
+    let mut node = REAP_LIST.xchg(ptr::null_mut(), Acquire);
+    while !node.is_null() {
+        // SAFETY: taken off the list above, with its reference; the link was
+        // written before the push and is not written again.
+        let next = unsafe { (*node).reap_link().0.load(Relaxed) };
+        // SAFETY: each node carries one reference (see `defer`), taken back
+        // once, here.
+        drop(unsafe { RegRef::from_list(node) });
+        node = next;
     }
 }

@@ -12,21 +12,10 @@
 use kernel::{
     bindings,
     prelude::*,
-    sync::{
-        lock::{
-            Guard, //
-        },
-        Arc,
-    },
-    workqueue::{
-        impl_has_work,
-        new_work,
-        Work,
-        WorkItem, //
-    }, //
+    sync::lock::Guard, //
 };
 
-use core::num::NonZeroUsize;
+use core::num::NonZeroU32;
 
 use crate::{
     accounting::Charge,
@@ -34,12 +23,9 @@ use crate::{
         Atomic,
         Relaxed, //
     },
-    bar_map::{
-        BarMap,
-        Iovas, //
-    },
-    compat,
+    bar_map, compat,
     core_link::CoreLink,
+    device_map::DeviceMap,
     lifecycle::{
         Invalidate,
         Lifecycle,
@@ -52,26 +38,26 @@ use crate::{
     p2p::{
         self,
         ArmedCallback,
-        PageTable,
-        Revocable, //
+        PageTable, //
     },
     peer_device::PeerDevice,
-    provider_map::ProviderMap,
+    provider_map,
     range::{
         self,
         GpuRange,
         GPU_PAGE_SIZE, //
     },
-    reaper::Deferred,
+    reaper::ReapLink,
     reg_lock::{
         new_reg_lock,
         RegLock,
         RegLockBackend, //
     },
-    sg::{
-        SgSlot,
-        SgTable, //
+    reg_ref::{
+        RefCount,
+        RegRef, //
     },
+    sg::SgSlot,
     stats::{
         fail,
         reg_dbg,
@@ -91,39 +77,12 @@ pub(crate) enum Mode {
     Invalidating,
 }
 
-/// The device mapping behind the scatterlist the core holds.
-pub(crate) enum DeviceMap {
-    /// The client's own mapping of BAR pages (non-persistent pins).
-    Bar(BarMap),
-    /// The GPU driver's mapping (persistent pins).
-    Provider(ProviderMap),
-}
-
-impl DeviceMap {
-    fn sg(&self) -> &SgTable {
-        match self {
-            DeviceMap::Bar(m) => m.sg(),
-            DeviceMap::Provider(m) => m.sg(),
-        }
-    }
-
-    /// After a revoke: the device's mappings, to undo now; the scatterlist
-    /// stays for the core (see [`BarMap::take_device_access`]). A persistent
-    /// pin has no free callback, so no revoke reaches its mapping.
-    fn take_device_access(&mut self) -> Option<Iovas> {
-        match self {
-            DeviceMap::Bar(m) => m.take_device_access(),
-            DeviceMap::Provider(_) => None,
-        }
-    }
-}
-
 /// The objects a registration's lifecycle owns.
 pub(crate) struct Held;
 
 impl Resources for Held {
     type Table = PageTable;
-    type Token = ArmedCallback<Registration>;
+    type Token = ArmedCallback;
     type Map = DeviceMap;
 }
 
@@ -133,16 +92,16 @@ struct Inner {
     /// exhausted, ...): reported by `get_pages` as the errno it is, instead of
     /// the core's "Bad address" for memory nobody claimed.
     pin_error: Option<Error>,
-    /// The task whose free callback is inside the core's invalidate for this
+    /// The thread (by id) whose free callback is inside the core's invalidate for this
     /// registration; `release` waits until it is out.
-    in_core: Option<NonZeroUsize>,
+    in_core: Option<NonZeroU32>,
     /// A `dma_map` is reading the page table; a free callback waits until
     /// it is done before returning (the provider frees the table then).
     mapper: bool,
     /// Tasks of this registration waiting on the module's queue: wake-ups
     /// are sent only when there are some (a registration without races
     /// never calls into the wait queue).
-    waiters: u32,
+    waiters: u16,
     /// What the registration is counted under per pair, GPU and process,
     /// from its mapping until its pin ends.
     charge: Option<Charge>,
@@ -152,8 +111,10 @@ struct Inner {
 #[pin_data]
 pub(crate) struct Registration {
     mode: Mode,
-    range: GpuRange,
-    link: Option<&'static CoreLink>,
+    /// The widened range (see [`Registration::range`]): its start, and its
+    /// length in granules (a `u32` keeps the object within 144 bytes).
+    start: u64,
+    granules: u32,
     #[pin]
     inner: RegLock<Inner>,
     /// The scatterlist entry of a one-run mapping. Only the mapping being
@@ -166,32 +127,27 @@ pub(crate) struct Registration {
     /// which the core calls right after `dma_unmap` and which then has
     /// nothing to do (see there).
     holds_map: Atomic<u32>,
-    /// Drops the free callback's reference from the module's queue.
-    #[pin]
-    reap: Work<Registration>,
+    /// The references on this object (see [`RegRef`]).
+    refs: RefCount,
+    /// Its link on the module's reap list (see `reaper`).
+    reap_link: ReapLink,
     _live: Liveness,
 }
 
-// One registration is one kmalloc-256 object, with the `Arc`'s count: a field
-// that pushes it over doubles its memory (kmalloc-512). Production kernels
-// only: lock debugging makes every lock and wait queue bigger.
+// The object of the module's cache (a registration with its count, its lock,
+// its one-entry scatterlist and its mapping) stays below the C module's
+// memory per registration: its context (kmalloc-128) plus its one-entry
+// scatterlist (kmalloc-32), 160 bytes. At 144 bytes the cache packs 28
+// objects per 4 KiB page (146 bytes each); at 160 it would pack 25 (164).
+// Production kernels only: lock debugging makes every lock bigger.
 #[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK)))]
-const _: () = assert!(core::mem::size_of::<Registration>() + 8 <= 256);
+const _: () = assert!(core::mem::size_of::<Registration>() <= 144);
 
-impl_has_work! {
-    impl HasWork<Self> for Registration { self.reap }
-}
+/// The pinning granule: ranges are widened to it.
+const GRANULE: u64 = range::granule(bindings::PAGE_SIZE as u64);
 
-impl WorkItem for Registration {
-    type Pointer = Arc<Registration>;
-
-    fn run(this: Arc<Registration>) {
-        drop(this);
-    }
-}
-
-/// The calling task, compared only.
-fn current_task() -> NonZeroUsize {
+/// The calling thread, compared only.
+fn current_task() -> NonZeroU32 {
     compat::current_ids().0
 }
 
@@ -203,24 +159,54 @@ fn refused(r: Refusal, call: &str) -> Error {
 }
 
 impl Registration {
+    /// The GPU range this registration pinned (the user's, widened to
+    /// whole granules).
+    fn range(&self) -> GpuRange {
+        GpuRange {
+            start: self.start,
+            len: u64::from(self.granules) * GRANULE,
+        }
+    }
+
+    /// The count of references on this object.
+    pub(crate) fn refs(&self) -> &RefCount {
+        &self.refs
+    }
+
+    /// The link of this object on the reap list.
+    pub(crate) fn reap_link(&self) -> &ReapLink {
+        &self.reap_link
+    }
+
+    /// The core's invalidate hook of this registration's client: only the
+    /// invalidating client has one.
+    fn link(&self) -> Option<&'static CoreLink> {
+        match self.mode {
+            Mode::Invalidating => Some(&crate::client::INVALIDATING_LINK),
+            Mode::Persistent => None,
+        }
+    }
+
     /// `acquire`: claims `[addr, addr + size)` if the GPU driver owns it, by
     /// pinning it — the only ownership test the p2p API has, done once: the
     /// pin is kept for `get_pages`. Any error means "not mine".
-    pub(crate) fn acquire(
-        addr: u64,
-        size: u64,
-        mode: Mode,
-        link: Option<&'static CoreLink>,
-    ) -> Result<Arc<Self>> {
-        let range = GpuRange::widen(addr, size, range::granule(bindings::PAGE_SIZE as u64))
-            .map_err(|e| {
-                reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
-                fail!(
-                    Cause::BadRange,
-                    EINVAL,
-                    "refused range {addr:#x}+{size:#x}: {e:?}"
-                )
-            })?;
+    pub(crate) fn acquire(addr: u64, size: u64, mode: Mode) -> Result<RegRef> {
+        let range = GpuRange::widen(addr, size, GRANULE).map_err(|e| {
+            reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
+            fail!(
+                Cause::BadRange,
+                EINVAL,
+                "refused range {addr:#x}+{size:#x}: {e:?}"
+            )
+        })?;
+        // 2^32 granules are 256 TiB: more than any GPU has.
+        let granules = u32::try_from(range.len / GRANULE).map_err(|_| {
+            fail!(
+                Cause::BadRange,
+                EINVAL,
+                "refused range {addr:#x}+{size:#x}: too long"
+            )
+        })?;
         // Registrations are made only while the module's wait queue exists
         // (their waits use it; see `wait`).
         crate::waitq::queue().ok_or(ENODEV)?;
@@ -229,27 +215,25 @@ impl Registration {
         // it yet, so no lock is needed to move it to Pinning).
         let mut lc = Lifecycle::new();
         lc.start_pin().map_err(|_| EINVAL)?;
-        let reg = Arc::pin_init(
-            pin_init!(Self {
-                mode,
-                range,
-                link,
-                inner <- new_reg_lock!(Inner {
-                    lc,
-                    pin_error: None,
-                    in_core: None,
-                    mapper: false,
-                    waiters: 0,
-                    charge: None,
-                }, c"Registration::inner"),
-                sg_slot: SgSlot::new(),
-                holds_map: Atomic::new(0),
-                reap <- new_work!("Registration::reap"),
-                _live: live,
-            }),
-            GFP_KERNEL,
-        )?;
-        let claimed = match reg.pin() {
+        let reg = RegRef::new(pin_init!(Self {
+            mode,
+            start: range.start,
+            granules,
+            inner <- new_reg_lock!(Inner {
+                lc,
+                pin_error: None,
+                in_core: None,
+                mapper: false,
+                waiters: 0,
+                charge: None,
+            }, c"Registration::inner"),
+            sg_slot: SgSlot::new(),
+            holds_map: Atomic::new(0),
+            refs: RefCount::new(),
+            reap_link: ReapLink::new(),
+            _live: live,
+        }))?;
+        let claimed = match Self::pin(&reg) {
             Ok(()) => Ok(reg),
             // The GPU driver refuses persistent pins (MIG, vGPU): the memory
             // is its, so say why instead of the core's "Bad address".
@@ -272,38 +256,37 @@ impl Registration {
     }
 
     /// Pins the range; the lifecycle is in Pinning already (see `acquire`).
-    fn pin(self: &Arc<Self>) -> Result {
+    fn pin(this: &RegRef) -> Result {
         let owner = compat::current_tgid();
-        let pinned = match self.mode {
-            Mode::Persistent => p2p::get_pages_persistent(&self.range).map(|table| Pin {
+        let pinned = match this.mode {
+            Mode::Persistent => p2p::get_pages_persistent(&this.range()).map(|table| Pin {
                 table,
                 token: None,
                 owner,
             }),
-            Mode::Invalidating => {
-                p2p::get_pages::<Self, Deferred>(&self.range, self).map(|(table, cb)| Pin {
-                    table,
-                    token: Some(cb),
-                    owner,
-                })
-            }
+            Mode::Invalidating => p2p::get_pages(&this.range(), this).map(|(table, cb)| Pin {
+                table,
+                token: Some(cb),
+                owner,
+            }),
         };
+        let this: &Self = this;
         let pin = match pinned {
             Ok(p) => p,
             Err(e) => {
-                self.inner.lock().lc.pin_failed();
+                this.inner.lock().lc.pin_failed();
                 reg_dbg!(
                     "acquire {:#x}+{:#x}: declined ({e:?})",
-                    self.range.start,
-                    self.range.len
+                    this.range().start,
+                    this.range().len
                 );
                 return Err(e);
             }
         };
-        let took = self.inner.lock().lc.pin_succeeded(pin);
+        let took = this.inner.lock().lc.pin_succeeded(pin);
         match took {
             Ok(()) => {
-                STATS.pinned_bytes.add(self.range.len, Relaxed);
+                STATS.pinned_bytes.add(this.range().len, Relaxed);
                 Ok(())
             }
             // The callback already ran and consumed the provider's reference;
@@ -319,7 +302,7 @@ impl Registration {
     /// `get_pages`: the pin happened in `acquire`; check what the provider
     /// gave us and remember the core's id for the invalidate hook.
     pub(crate) fn get_pages(&self, addr: u64, size: u64, core_context: u64) -> Result {
-        if !self.range.covers(addr, size) {
+        if !self.range().covers(addr, size) {
             return Err(fail!(
                 Cause::Order,
                 EINVAL,
@@ -332,15 +315,15 @@ impl Registration {
                 Cause::Pin,
                 e,
                 "the GPU driver could not pin {:#x}+{:#x}",
-                self.range.start,
-                self.range.len
+                self.range().start,
+                self.range().len
             ));
         }
         let checked = match g.lc.pinned_table() {
             // SAFETY: Pinned, so the table is ours. A free callback must take
             // this lock to revoke, and the provider frees the table only after
             // the callback returns: it is valid while the lock is held.
-            Ok(t) => unsafe { t.check(&self.range) },
+            Ok(t) => unsafe { t.check(&self.range()) },
             Err(r) => return Err(refused(r, "get_pages")),
         };
         match checked {
@@ -394,8 +377,8 @@ impl Registration {
         STATS.sg_entries.add(u64::from(nents), Relaxed);
         reg_dbg!(
             "mapped {:#x}+{:#x}: {nents} entries",
-            self.range.start,
-            self.range.len
+            self.range().start,
+            self.range().len
         );
         Ok(nents)
     }
@@ -452,11 +435,11 @@ impl Registration {
                     // Counted until the pin ends (under this lock, so that a
                     // revoke cannot end the pin in between).
                     let owner = g.lc.owner().unwrap_or(0);
-                    g.charge = route.charge(owner, self.range.len);
+                    g.charge = route.charge(owner, self.range().len);
                     return Ok(g.lc.map().map_or(0, |m| {
-                        // SAFETY: `sg_head` is the core's table (caller).
-                        unsafe { m.sg().publish(sg_head) };
-                        m.sg().nents()
+                        // SAFETY: `sg_head` is the core's table (caller); the
+                        // map was built with this registration's slot.
+                        unsafe { m.publish(&self.sg_slot, sg_head) }
                     }));
                 }
             }
@@ -474,7 +457,7 @@ impl Registration {
     /// pins (no lock of the GPU driver's is taken, see `bar_map`), through
     /// the GPU driver for persistent ones.
     fn map_pages(&self, table: PageTable, peer: PeerDevice) -> Result<DeviceMap> {
-        let entries = self.range.pages(GPU_PAGE_SIZE) as u32;
+        let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
         match self.mode {
             Mode::Invalidating => {
                 // SAFETY: checked by `get_pages` and valid during `dma_map`
@@ -482,9 +465,7 @@ impl Registration {
                 let pages = unsafe { table.pages() };
                 // SAFETY: the slot is this registration's and is used by one
                 // mapping at a time (see `sg_slot`): this one, made in Mapping.
-                unsafe { BarMap::new(&pages, &peer, &self.sg_slot) }
-                    .map(DeviceMap::Bar)
-                    .map_err(|e| match e {
+                unsafe { bar_map::map(&pages, &peer, &self.sg_slot) }.map_err(|e| match e {
                         e if e == compat::eopnotsupp() => fail!(
                             Cause::PageTable,
                             e,
@@ -497,8 +478,7 @@ impl Registration {
                 // SAFETY: a persistent pin, unpinned only by `release` after
                 // the mapping is dropped (the lifecycle hands out the map
                 // first); the slot as above.
-                unsafe { ProviderMap::new(table, entries, peer, &self.sg_slot) }
-                    .map(DeviceMap::Provider)
+                unsafe { provider_map::map(table, entries, &peer, &self.sg_slot) }
             }
         }
     }
@@ -540,7 +520,13 @@ impl Registration {
     /// callback of this registration is inside the core (the core may free
     /// what that callback uses once we return), unless the caller is that
     /// callback (OFED 4.x releases from inside its invalidate).
-    pub(crate) fn release(self: Arc<Self>) {
+    pub(crate) fn release(this: RegRef) {
+        this.release_held();
+        // The core's reference goes here.
+    }
+
+    /// `release`'s work, under the core's reference.
+    fn release_held(&self) {
         let (me, tgid) = compat::current_ids();
         let r = {
             let mut g = self.inner.lock();
@@ -556,8 +542,8 @@ impl Registration {
             STATS.orphaned_pins.add(1, Relaxed);
             reg_dbg!(
                 "release of {:#x}+{:#x} in another process: the pin stays until the GPU memory is freed",
-                self.range.start,
-                self.range.len
+                self.range().start,
+                self.range().len
             );
         }
         if let Some(table) = r.unpin {
@@ -599,8 +585,8 @@ impl Registration {
         // to the pinning process.
         let res = unsafe {
             match self.mode {
-                Mode::Persistent => table.put_persistent(&self.range),
-                Mode::Invalidating => table.put(&self.range),
+                Mode::Persistent => table.put_persistent(&self.range()),
+                Mode::Invalidating => table.put(&self.range()),
             }
         };
         let (how, token, charge) = {
@@ -615,16 +601,16 @@ impl Registration {
             (how, token, charge)
         };
         if let Some(c) = charge {
-            c.release();
+            c.release(self.range().len);
         }
         let err = res.err().unwrap_or(EIO);
         match how {
             Unpinned::Reclaim | Unpinned::Persistent => {
-                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
             }
             // The callback ended the pin first; it had no table to count.
             Unpinned::Raced => {
-                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
             }
             Unpinned::Stranded => {
                 STATS.stranded_pins.add(1, Relaxed);
@@ -632,19 +618,19 @@ impl Registration {
                     Cause::Unpin,
                     err,
                     "nvidia_p2p_put_pages failed for {:#x}+{:#x}: the pin stays until the GPU memory is freed",
-                    self.range.start,
-                    self.range.len
+                    self.range().start,
+                    self.range().len
                 );
             }
             Unpinned::Leaked => {
-                STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
                 STATS.leaked_pins.add(1, Relaxed);
                 fail!(
                     Cause::Unpin,
                     err,
                     "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
-                    self.range.start,
-                    self.range.len
+                    self.range().start,
+                    self.range().len
                 );
             }
         }
@@ -654,16 +640,16 @@ impl Registration {
             // not race: the provider unlinked the pin under the lock it holds
             // across callbacks, so the callback never runs. Not the last
             // reference: our caller holds the core's.
-            drop(unsafe { cb.reclaim() });
+            drop(unsafe { cb.reclaim(self) });
         }
     }
 }
 
-impl Revocable for Registration {
+impl Registration {
     /// The GPU driver revoked the pages: tell the core, which stops the device
     /// before we return (the provider frees everything right after), then
     /// undo our own mapping.
-    fn revoke(&self) {
+    pub(crate) fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
         let (action, had_pin, charge) = {
             let mut g = self.inner.lock();
@@ -683,19 +669,19 @@ impl Revocable for Registration {
             (action, ended, if ended { g.charge.take() } else { None })
         };
         if had_pin {
-            STATS.pinned_bytes.fetch_sub(self.range.len, Relaxed);
+            STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         }
         if let Some(c) = charge {
-            c.release();
+            c.release(self.range().len);
         }
         reg_dbg!(
             "free callback for {:#x}+{:#x}: {action:?}",
-            self.range.start,
-            self.range.len
+            self.range().start,
+            self.range().len
         );
         match action {
             Invalidate::NotifyCore(ctx) => {
-                if let Some(link) = self.link {
+                if let Some(link) = self.link() {
                     // The core's invalidate takes mutexes: the GPU driver must
                     // call us from sleepable context (lockdep checks it).
                     kernel::task::might_sleep();
@@ -711,7 +697,9 @@ impl Revocable for Registration {
                     .lc
                     .revoked_map_mut()
                     .and_then(DeviceMap::take_device_access);
-                drop(access);
+                if let Some(a) = access {
+                    a.undo();
+                }
                 let mut g = self.inner.lock();
                 g.in_core = None;
                 self.wake(&g);

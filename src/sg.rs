@@ -57,6 +57,49 @@ impl SgSlot {
     pub(crate) fn new() -> Self {
         Self(Opaque::zeroed())
     }
+
+    /// Writes the one entry of a one-entry table for `seg` into the slot.
+    ///
+    /// # Safety
+    ///
+    /// Nothing else may write or publish the slot until the caller's map
+    /// that owns the entry is dropped (the registration's mapping, at most
+    /// one at a time).
+    pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
+        // Segments are bounded to `u32::MAX` by their producers.
+        let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+        let sg = self.0.get();
+        // SAFETY: the slot is ours to write (caller); a zeroed entry with the
+        // end mark (bit 1 of `page_link`, `sg_mark_end`) is a one-entry list.
+        unsafe {
+            sg.write(core::mem::zeroed());
+            (*sg).page_link = SG_END;
+            (*sg).offset = 0;
+            (*sg).length = len;
+            (*sg).dma_address = seg.addr;
+            (*sg).dma_length = len;
+        }
+        Ok(())
+    }
+
+    /// Hands the header of the one-entry table in the slot to the core's
+    /// `head`; returns its number of entries (1).
+    ///
+    /// # Safety
+    ///
+    /// `head` must point to the core's table for this registration, and the
+    /// slot must hold an entry written by [`SgSlot::fill`] for the mapping
+    /// being published.
+    pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) -> u32 {
+        // SAFETY: an all-zero `sg_table` is the empty table.
+        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
+        table.sgl = self.0.get();
+        table.nents = 1;
+        table.orig_nents = 1;
+        // SAFETY: per the caller's guarantee.
+        unsafe { *head = table };
+        1
+    }
 }
 
 /// A scatterlist the client filled; the core holds a copy of its header
@@ -78,15 +121,6 @@ pub(crate) struct SgTable {
 unsafe impl Send for SgTable {}
 
 impl SgTable {
-    /// A table without entries.
-    pub(crate) fn empty() -> Self {
-        // INVARIANT: empty.
-        Self {
-            // SAFETY: an all-zero `sg_table` is the empty table.
-            table: unsafe { core::mem::zeroed() },
-        }
-    }
-
     /// Builds a table of exactly `n` entries from `segs`, which must yield
     /// `n` segments; one entry goes into `slot`, more are allocated.
     ///
@@ -148,29 +182,6 @@ impl SgTable {
             return Err(EINVAL);
         }
         Ok(this)
-    }
-
-    /// Builds a table with the segments of `addrs` (one bus address per page
-    /// of `page` bytes), merging contiguous pages up to `max_seg` bytes.
-    ///
-    /// # Safety
-    ///
-    /// As for [`SgTable::new`].
-    pub(crate) unsafe fn coalesced(
-        slot: &SgSlot,
-        addrs: &[u64],
-        page: u64,
-        max_seg: u64,
-    ) -> Result<Self> {
-        let n = crate::coalesce::count(addrs, page, max_seg);
-        // SAFETY: as promised by the caller.
-        unsafe {
-            Self::new(
-                slot,
-                n,
-                crate::coalesce::Coalescer::new(addrs, page, max_seg),
-            )
-        }
     }
 
     /// Number of entries.
