@@ -904,6 +904,40 @@ mod sg_tests {
     }
 
     #[test]
+    fn a_filled_slot_is_a_one_entry_table() -> Result {
+        let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
+        let slot_ptr = core::ptr::from_ref(&*slot).cast::<bindings::scatterlist>();
+        // A previous mapping's entry, with a chain bit left over: the fill
+        // must rewrite the whole entry.
+        // SAFETY: the slot is alive and nothing else uses it.
+        unsafe {
+            let e = slot_ptr.cast_mut();
+            (*e).page_link = 0x1;
+            (*e).offset = 0x80;
+            (*e).dma_address = 0xdead_0000;
+        }
+        // SAFETY: nothing else writes or publishes the slot.
+        unsafe { slot.fill(seg(0x2_0000_0000, 0x20_0000)) }?;
+        // SAFETY: an all-zero header is a valid value to overwrite.
+        let mut h: bindings::sg_table = unsafe { core::mem::zeroed() };
+        // SAFETY: `h` is a valid header; the slot holds the entry just filled.
+        assert_eq!(unsafe { slot.publish(&mut h) }, 1);
+        assert_eq!(h.sgl.cast_const(), slot_ptr);
+        assert_eq!((h.nents, h.orig_nents), (1, 1));
+        // SAFETY: the slot is alive.
+        let e = unsafe { &*slot_ptr };
+        assert_eq!(e.page_link & 0x3, SG_END);
+        assert_eq!(
+            (e.dma_address, e.dma_length, e.length, e.offset),
+            (0x2_0000_0000, 0x20_0000, 0x20_0000, 0)
+        );
+        // A segment a scatterlist entry cannot describe is refused.
+        // SAFETY: as above.
+        assert_eq!(unsafe { slot.fill(seg(0, 1 << 32)) }, Err(EINVAL));
+        Ok(())
+    }
+
+    #[test]
     fn several_segments_are_allocated_and_the_slot_is_untouched() -> Result {
         let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
         let slot_ptr = core::ptr::from_ref(&*slot).cast::<bindings::scatterlist>();
