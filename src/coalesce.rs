@@ -63,6 +63,7 @@ impl Iterator for Coalescer<'_> {
 }
 
 /// Number of segments `Coalescer::new(addrs, page, max_seg)` yields.
+#[allow(dead_code)] // Used by the KUnit suites and the host model checker.
 pub(crate) fn count(addrs: &[u64], page: u64, max_seg: u64) -> usize {
     Coalescer::new(addrs, page, max_seg).count()
 }

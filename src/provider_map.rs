@@ -130,15 +130,19 @@ pub(crate) unsafe fn map(
     };
     let max_seg = peer.max_segment();
     let mut segs = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg);
-    if let (Some(seg), None) = (segs.next(), segs.next()) {
+    let first = segs.next().ok_or(EINVAL)?;
+    // Pages after the first segment: each starts at most one more segment.
+    let rest = addrs.len() - (first.len / GPU_PAGE_SIZE) as usize;
+    if rest == 0 {
         // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(seg) }
+        unsafe { slot.fill(first) }
             .map_err(|e| fail!(Cause::NoMemory, e, "cannot build the scatterlist"))?;
         return Ok(DeviceMap::ProviderRun(run));
     }
-    let n = crate::coalesce::count(addrs, GPU_PAGE_SIZE, max_seg);
-    // SAFETY: as promised by the caller.
-    let sg = unsafe { SgTable::new(slot, n, Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)) }
+    // One pass over the addresses: the table is sized for one entry per
+    // page left (as many as the C module allocates), filled as the
+    // segments are found.
+    let sg = SgTable::up_to(rest + 1, Iterator::chain(core::iter::once(first), segs))
         .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
     Ok(DeviceMap::Provider(KBox::new(
         ProviderMap { _run: run, sg },

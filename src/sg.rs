@@ -109,9 +109,10 @@ impl SgSlot {
 ///
 /// `table` is empty (all zero); or has one entry (`orig_nents == 1`), in an
 /// [`SgSlot`] that outlives this object and that nothing else writes while
-/// it lives; or was set up by `sg_alloc_table` for two entries or more, and
-/// is freed exactly once, on drop. Its entries carry only DMA fields
-/// (there are no `struct page`s behind GPU BAR memory).
+/// it lives; or was set up by `sg_alloc_table` for `orig_nents` entries, two
+/// or more, and is freed exactly once, on drop. Its first `nents` entries
+/// (at most `orig_nents`) carry the DMA fields of the mapping, the others
+/// are empty (there are no `struct page`s behind GPU BAR memory).
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
@@ -156,16 +157,56 @@ impl SgTable {
         }
         // INVARIANT: one entry, in the caller's slot; or several, allocated
         // above and freed on drop (also on the errors below).
-        let this = Self { table };
-        let mut sg = this.table.sgl;
+        let mut this = Self { table };
+        if this.fill(segs)? != n {
+            return Err(EINVAL);
+        }
+        Ok(this)
+    }
+
+    /// Builds an allocated table of at most `cap` entries (two or more) from
+    /// `segs`, in one pass: for segments whose number is only known once
+    /// they are made. The table's DMA view (`nents`) is the entries filled;
+    /// the entries after them stay empty (zero length) and are freed with
+    /// the rest (`orig_nents` is `cap`), as after `dma_map_sg` merged
+    /// entries. The core reads `nents` entries (it stores the count
+    /// `dma_map` returns in `nents`).
+    pub(crate) fn up_to(cap: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
+        let cap32 = u32::try_from(cap).map_err(|_| EINVAL)?;
+        if cap < 2 {
+            return Err(EINVAL);
+        }
+        // SAFETY: an all-zero `sg_table` is the empty table.
+        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
+        // SAFETY: `table` is a valid, empty table.
+        kernel::error::to_result(unsafe {
+            bindings::sg_alloc_table(&mut table, cap32, bindings::GFP_KERNEL)
+        })?;
+        // INVARIANT: allocated above, freed on drop (also on the errors
+        // below).
+        let mut this = Self { table };
+        let filled = this.fill(segs)?;
+        if filled == 0 {
+            return Err(EINVAL);
+        }
+        // `filled <= cap`, which fits a `u32`.
+        this.table.nents = filled as u32;
+        Ok(this)
+    }
+
+    /// Fills the table's entries in order from `segs`, which must not yield
+    /// more than `orig_nents`; returns how many it filled.
+    fn fill(&mut self, segs: impl Iterator<Item = Segment>) -> Result<usize> {
+        let cap = self.table.orig_nents as usize;
+        let mut sg = self.table.sgl;
         let mut filled = 0;
         for seg in segs {
-            if sg.is_null() || filled == n {
+            if sg.is_null() || filled == cap {
                 return Err(EINVAL);
             }
             // Segments are bounded to `u32::MAX` by their producers.
             let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
-            // SAFETY: `sg` is one of the table's `nents` entries.
+            // SAFETY: `sg` is one of the table's `orig_nents` entries.
             unsafe {
                 (*sg).offset = 0;
                 (*sg).length = len;
@@ -173,15 +214,12 @@ impl SgTable {
                 (*sg).dma_length = len;
             }
             filled += 1;
-            if filled < n {
+            if filled < cap {
                 // SAFETY: as above; not the last entry.
                 sg = unsafe { next(sg) };
             }
         }
-        if filled != n {
-            return Err(EINVAL);
-        }
-        Ok(this)
+        Ok(filled)
     }
 
     /// Number of entries.

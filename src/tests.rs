@@ -938,6 +938,36 @@ mod sg_tests {
     }
 
     #[test]
+    fn a_table_up_to_a_bound_shows_the_segments_made() -> Result {
+        let segs = [seg(0x50_0000, 0x1_0000), seg(0x10_0000, 0x3_0000)];
+        let t = SgTable::up_to(4, segs.into_iter())?;
+        let h = header(&t);
+        // The DMA view is what was filled; all four entries are freed.
+        assert_eq!((h.nents, h.orig_nents), (2, 4));
+        assert_eq!(t.nents(), 2);
+        let mut e = h.sgl;
+        for i in 0..4 {
+            assert!(!e.is_null());
+            // SAFETY: one of the table's 4 entries.
+            let r = unsafe { &*e };
+            match segs.get(i) {
+                Some(s) => assert_eq!((r.dma_address, u64::from(r.dma_length)), (s.addr, s.len)),
+                None => assert_eq!((r.dma_length, r.length), (0, 0)),
+            }
+            let last = r.page_link & SG_END != 0;
+            assert_eq!(last, i == 3);
+            // SAFETY: `e` is an entry of a table set up by `sg_alloc_table`.
+            e = unsafe { bindings::sg_next(e) };
+        }
+        assert!(e.is_null());
+        // More segments than the bound, or none, are refused.
+        assert!(SgTable::up_to(2, [seg(0, 0x1_0000); 3].into_iter()).is_err());
+        assert!(SgTable::up_to(2, core::iter::empty()).is_err());
+        assert!(SgTable::up_to(1, [seg(0, 0x1_0000)].into_iter()).is_err());
+        Ok(())
+    }
+
+    #[test]
     fn several_segments_are_allocated_and_the_slot_is_untouched() -> Result {
         let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
         let slot_ptr = core::ptr::from_ref(&*slot).cast::<bindings::scatterlist>();
