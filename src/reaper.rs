@@ -89,8 +89,8 @@ pub(crate) fn defer(owner: RegRef) {
         drop(owner);
         return;
     }
-    let node = owner.as_ptr();
-    core::mem::forget(owner);
+    // The reference is the list's from here on (see `peermem_reap_run`).
+    let node = owner.into_raw().cast::<Registration>();
     let mut head = REAP_LIST.load(Relaxed);
     loop {
         // SAFETY: `node` is live (the reference forgotten above is now the
@@ -121,7 +121,7 @@ pub(crate) extern "C" fn peermem_reap_run() {
         let next = unsafe { (*node).reap_link().0.load(Relaxed) };
         // SAFETY: each node carries one reference (see `defer`), taken back
         // once, here.
-        drop(unsafe { RegRef::from_list(node) });
+        drop(unsafe { RegRef::from_raw(node.cast()) });
         node = next;
     }
 }

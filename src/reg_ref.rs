@@ -172,22 +172,6 @@ impl RegRef {
         Self(NonNull::from(reg))
     }
 
-    /// The object, for the reap list.
-    pub(crate) fn as_ptr(&self) -> *mut Registration {
-        self.0.as_ptr()
-    }
-
-    /// Takes back a reference whose object is on the reap list.
-    ///
-    /// # Safety
-    ///
-    /// `p` must be an object put on the reap list with its reference (see
-    /// `reaper`), taken off it once.
-    pub(crate) unsafe fn from_list(p: *mut Registration) -> Self {
-        // SAFETY: non-null and carrying a reference (caller).
-        Self(unsafe { NonNull::new_unchecked(p) })
-    }
-
     fn count(&self) -> &Atomic<u32> {
         // SAFETY: live (type invariant).
         &unsafe { self.0.as_ref() }.refs().0

@@ -41,6 +41,29 @@ unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
     }
 }
 
+/// The length of `seg` as an entry holds it. Segments are bounded to
+/// `u32::MAX` by their producers; a longer one is refused.
+fn entry_len(seg: &Segment) -> Result<u32> {
+    u32::try_from(seg.len).map_err(|_| EINVAL)
+}
+
+/// Describes `len` bytes of bus address `addr` in the entry `sg` (DMA fields
+/// only: there is no `struct page` behind GPU BAR memory).
+///
+/// # Safety
+///
+/// `sg` must be an entry of a table the caller is filling, written by
+/// nothing else meanwhile.
+unsafe fn set_dma(sg: *mut bindings::scatterlist, addr: u64, len: u32) {
+    // SAFETY: as promised by the caller.
+    unsafe {
+        (*sg).offset = 0;
+        (*sg).length = len;
+        (*sg).dma_address = addr;
+        (*sg).dma_length = len;
+    }
+}
+
 /// Room for a one-entry scatterlist inside a registration: a contiguous
 /// registration (the common case) needs no allocation for its table.
 pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
@@ -66,20 +89,26 @@ impl SgSlot {
     /// that owns the entry is dropped (the registration's mapping, at most
     /// one at a time).
     pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
-        // Segments are bounded to `u32::MAX` by their producers.
-        let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+        let len = entry_len(&seg)?;
+        // SAFETY: the slot is ours to write (caller).
+        unsafe { set_dma(self.reset(), seg.addr, len) };
+        Ok(())
+    }
+
+    /// Makes the slot an empty one-entry list and returns its entry.
+    ///
+    /// # Safety
+    ///
+    /// Nothing else may write or read the slot meanwhile.
+    unsafe fn reset(&self) -> *mut bindings::scatterlist {
         let sg = self.0.get();
-        // SAFETY: the slot is ours to write (caller); a zeroed entry with the
-        // end mark (bit 1 of `page_link`, `sg_mark_end`) is a one-entry list.
+        // SAFETY: ours to write (caller); a zeroed entry with the end mark
+        // (bit 1 of `page_link`, `sg_mark_end`) is a one-entry list.
         unsafe {
             sg.write(core::mem::zeroed());
             (*sg).page_link = SG_END;
-            (*sg).offset = 0;
-            (*sg).length = len;
-            (*sg).dma_address = seg.addr;
-            (*sg).dma_length = len;
         }
-        Ok(())
+        sg
     }
 
     /// Hands the header of the one-entry table in the slot to the core's
@@ -138,15 +167,9 @@ impl SgTable {
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
         if n == 1 {
-            let sg = slot.0.get();
             // SAFETY: the slot outlives the table and nobody else writes it
-            // meanwhile (caller); a zeroed entry with the end mark (bit 1 of
-            // `page_link`, `sg_mark_end`) is a one-entry list.
-            unsafe {
-                sg.write(core::mem::zeroed());
-                (*sg).page_link = SG_END;
-            }
-            table.sgl = sg;
+            // meanwhile (caller).
+            table.sgl = unsafe { slot.reset() };
             table.nents = 1;
             table.orig_nents = 1;
         } else {
@@ -204,15 +227,9 @@ impl SgTable {
             if sg.is_null() || filled == cap {
                 return Err(EINVAL);
             }
-            // Segments are bounded to `u32::MAX` by their producers.
-            let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+            let len = entry_len(&seg)?;
             // SAFETY: `sg` is one of the table's `orig_nents` entries.
-            unsafe {
-                (*sg).offset = 0;
-                (*sg).length = len;
-                (*sg).dma_address = seg.addr;
-                (*sg).dma_length = len;
-            }
+            unsafe { set_dma(sg, seg.addr, len) };
             filled += 1;
             if filled < cap {
                 // SAFETY: as above; not the last entry.
