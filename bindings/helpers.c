@@ -30,6 +30,9 @@ void peermem_wq_destroy(struct workqueue_struct *wq);
 bool peermem_reap_kick(struct workqueue_struct *wq);
 struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
 void peermem_reap_run(void);	/* Rust, src/reaper.rs */
+int peermem_watch_devices(void);
+void peermem_unwatch_devices(void);
+void peermem_device_unbound(struct device *dev);	/* Rust, src/bar_window.rs */
 
 /* One bridge above a device, for the path classification in Rust. */
 struct peermem_hop {
@@ -134,6 +137,33 @@ static DECLARE_WORK(peermem_reap_work, peermem_reap_fn);
 bool peermem_reap_kick(struct workqueue_struct *wq)
 {
 	return queue_work(wq, &peermem_reap_work);
+}
+
+/*
+ * A PCI device lost its driver: its whole-BAR windows go (src/bar_window.rs).
+ * UNBOUND_DRIVER comes after the driver's remove; this notifier runs before
+ * DMA-API debug's (priority 0), which reports mappings left at that point.
+ */
+static int peermem_bus_event(struct notifier_block *nb, unsigned long action, void *data)
+{
+	if (action == BUS_NOTIFY_UNBOUND_DRIVER)
+		peermem_device_unbound(data);
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block peermem_bus_nb = {
+	.notifier_call = peermem_bus_event,
+	.priority = 1,
+};
+
+int peermem_watch_devices(void)
+{
+	return bus_register_notifier(&pci_bus_type, &peermem_bus_nb);
+}
+
+void peermem_unwatch_devices(void)
+{
+	bus_unregister_notifier(&pci_bus_type, &peermem_bus_nb);
 }
 
 /* The exact-size cache of registration objects (src/reg_ref.rs). */

@@ -20,7 +20,8 @@ use crate::atomics::{
 
 use crate::path::Class;
 
-const PAIRS: usize = 64;
+/// Pairs of (GPU, peer) tracked; `bar_window` keeps one slot per pair.
+pub(crate) const PAIRS: usize = 64;
 const GPUS: usize = 32;
 const PROC_SHARDS: usize = 16;
 const PROCS_PER_SHARD: usize = 16;
@@ -182,6 +183,12 @@ pub(crate) fn gpu_by_phys(phys: u64) -> Option<Gpu> {
             id: g.id.load(Relaxed),
         })
     })
+}
+
+/// The first and last byte of `gpu`'s BAR.
+pub(crate) fn gpu_bar(gpu: Gpu) -> (u64, u64) {
+    let g = &GPU_TABLE[gpu.slot];
+    (g.bar_start.load(Relaxed), g.bar_end.load(Relaxed))
 }
 
 /// Records a GPU whose BAR is `[start, end]`; `None` when the table is full.

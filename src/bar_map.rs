@@ -21,6 +21,8 @@ use kernel::{
 };
 
 use crate::{
+    atomics::Relaxed,
+    bar_window::Window,
     coalesce::{
         Runs,
         Segment, //
@@ -35,6 +37,7 @@ use crate::{
         SgSlot,
         SgTable, //
     },
+    stats::STATS,
 };
 
 /// The client's DMA mapping of one BAR run for one device, undone on drop.
@@ -98,7 +101,8 @@ impl Drop for RunIova {
 ///
 /// # Invariants
 ///
-/// While `iovas` is `Some`, every entry of `sg` lies in one of its mappings;
+/// While `iovas` is `Some`, every entry of `sg` lies in one of its mappings
+/// or in the pair's window;
 /// once the device lost access (`iovas` taken), `sg` only holds addresses
 /// that nobody may use any more.
 pub(crate) struct BarMap {
@@ -108,7 +112,9 @@ pub(crate) struct BarMap {
 }
 
 /// Maps every page of `pages` for `peer`: one run, with its scatterlist
-/// entry in `slot` (no allocation), or several.
+/// entry in `slot` (no allocation), or several. Runs inside `window` (the
+/// pair's whole-BAR mapping, for an untranslated peer) take its addresses;
+/// any other is mapped here.
 ///
 /// # Safety
 ///
@@ -119,6 +125,7 @@ pub(crate) unsafe fn map(
     pages: &PageView<'_>,
     peer: &PeerDevice,
     slot: &SgSlot,
+    window: Option<Window>,
 ) -> Result<DeviceMap> {
     if pages.coherent() {
         // No BAR behind coherent memory: only the GPU driver knows how
@@ -136,47 +143,74 @@ pub(crate) unsafe fn map(
             0
         })
     };
-    let mut first: Option<RunIova> = None;
-    let mut more = KVec::new();
+    let mut first: Option<(Segment, Option<RunIova>)> = None;
+    let (mut segs, mut iovas) = (KVec::new(), KVec::new());
+    let mut in_window = false;
     for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
         if missing.get() {
             return Err(EINVAL);
         }
-        // SAFETY: `run` is BAR memory of the caller's pinned table (every
-        // page of it has an address, checked just above), which stays
-        // pinned until these mappings are undone: the unpin comes after
-        // `dma_unmap`/`release` dropped them, and a free callback drops
-        // them before it returns (`take_device_access`). On a later
-        // failure the locals drop and unmap what was mapped.
-        let iova = unsafe { RunIova::map(dev, run) }?;
-        if let Some(f) = first.take() {
-            more.push(f, GFP_KERNEL)?;
+        let (seg, own) = match window.and_then(|w| w.segment(run)) {
+            Some(seg) => {
+                in_window = true;
+                (seg, None)
+            }
+            None => {
+                // SAFETY: `run` is BAR memory of the caller's pinned table
+                // (every page of it has an address, checked just above),
+                // which stays pinned until these mappings are undone: the
+                // unpin comes after `dma_unmap`/`release` dropped them, and
+                // a free callback drops them before it returns
+                // (`take_device_access`). On a later failure the locals
+                // drop and unmap what was mapped.
+                let iova = unsafe { RunIova::map(dev, run) }?;
+                (iova.segment(), Some(iova))
+            }
+        };
+        if let Some((s, o)) = first.take() {
+            segs.push(s, GFP_KERNEL)?;
+            if let Some(o) = o {
+                iovas.push(o, GFP_KERNEL)?;
+            }
         }
-        if more.is_empty() {
-            first = Some(iova);
+        if segs.is_empty() {
+            first = Some((seg, own));
         } else {
-            more.push(iova, GFP_KERNEL)?;
+            segs.push(seg, GFP_KERNEL)?;
+            if let Some(o) = own {
+                iovas.push(o, GFP_KERNEL)?;
+            }
         }
     }
     if missing.get() {
         return Err(EINVAL);
     }
-    if let Some(run) = first {
+    let counted = |m| {
+        if in_window {
+            STATS.window_maps.add(1, Relaxed);
+        }
+        m
+    };
+    if let Some((seg, own)) = first {
         // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(run.segment()) }?;
+        unsafe { slot.fill(seg) }?;
         // INVARIANT: the slot's entry is this run's.
-        return Ok(DeviceMap::BarRun(Some(run)));
+        return Ok(counted(match own {
+            Some(run) => DeviceMap::BarRun(Some(run)),
+            None => DeviceMap::Window,
+        }));
     }
     // SAFETY: as promised by the caller.
-    let sg = unsafe { SgTable::new(slot, more.len(), more.iter().map(RunIova::segment)) }?;
-    // INVARIANT: the scatterlist was built from exactly these runs.
-    Ok(DeviceMap::Bar(KBox::new(
+    let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
+    // INVARIANT: the scatterlist was built from exactly these runs, those
+    // outside the window mapped by `iovas`.
+    Ok(counted(DeviceMap::Bar(KBox::new(
         BarMap {
             sg,
-            iovas: Some(more),
+            iovas: Some(iovas),
         },
         GFP_KERNEL,
-    )?))
+    )?)))
 }
 
 impl BarMap {

@@ -29,13 +29,17 @@ use crate::{
 ///
 /// # Invariants
 ///
-/// A `BarRun` or `ProviderRun` map owns the registration's slot, which holds
+/// A `BarRun`, `Window` or `ProviderRun` map owns the registration's slot, which holds
 /// its one entry from the map's construction until it is dropped.
 pub(crate) enum DeviceMap {
     /// The client's own mapping of one BAR run (non-persistent pins); `None`
     /// once the device lost access (the entry stays for the core).
     BarRun(Option<RunIova>),
-    /// The client's own mappings of several BAR runs.
+    /// One BAR run inside its pair's window (`bar_window`): no mapping of
+    /// its own to undo.
+    Window,
+    /// The client's own mappings of several BAR runs (some maybe inside the
+    /// window).
     Bar(KBox<BarMap>),
     /// The GPU driver's mapping (persistent pins), one segment.
     ProviderRun(ProviderRun),
@@ -76,7 +80,7 @@ impl DeviceMap {
         match self {
             // SAFETY: the slot holds this map's entry (type invariant); `head`
             // as promised by the caller.
-            DeviceMap::BarRun(_) => unsafe { slot.publish(head) },
+            DeviceMap::BarRun(_) | DeviceMap::Window => unsafe { slot.publish(head) },
             // SAFETY: as above.
             DeviceMap::ProviderRun(run) => unsafe { run.publish(slot, head) },
             DeviceMap::Bar(m) => {
@@ -99,7 +103,9 @@ impl DeviceMap {
         match self {
             DeviceMap::BarRun(r) => r.take().map(DeviceAccess::Run),
             DeviceMap::Bar(m) => m.take_device_access().map(DeviceAccess::Runs),
-            DeviceMap::ProviderRun(_) | DeviceMap::Provider(_) => None,
+            // The window stays: it gives an untranslated device nothing it
+            // could not reach without it (see `bar_window`).
+            DeviceMap::Window | DeviceMap::ProviderRun(_) | DeviceMap::Provider(_) => None,
         }
     }
 }

@@ -64,6 +64,11 @@ extern "C" {
     pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
     /// Undoes [`peermem_map_bar`].
     pub(crate) fn peermem_unmap_bar(dev: *mut device, dma: u64, len: u64);
+    /// Registers the bus notifier that calls `bar_window`'s
+    /// `peermem_device_unbound` when a PCI device loses its driver.
+    pub(crate) fn peermem_watch_devices() -> c_int;
+    /// Unregisters it; returns once no notification runs.
+    pub(crate) fn peermem_unwatch_devices();
     /// A workqueue of this module, or NULL.
     pub(crate) fn peermem_wq_alloc() -> *mut workqueue_struct;
     /// Drains and frees a queue from [`peermem_wq_alloc`].

@@ -21,6 +21,7 @@ use kernel::{
 mod accounting;
 mod atomics;
 mod bar_map;
+mod bar_window;
 mod client;
 mod coalesce;
 mod compat;
@@ -140,6 +141,8 @@ pub(crate) fn this_module() -> *mut bindings::module {
 struct NvidiaPeermem {
     _clients: KVec<CoreRegistration>,
     _reaper: reaper::ReapQueue,
+    // After the clients and the reaper: no registration uses a window.
+    _windows: bar_window::Windows,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
     _cache: reg_ref::RegCache,
@@ -227,6 +230,7 @@ impl kernel::Module for NvidiaPeermem {
         let cache = reg_ref::RegCache::new()?;
         let reaper = reaper::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
+        let windows = bar_window::Windows::new()?;
         let mut clients = KVec::new();
         if persistent == 1 {
             clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
@@ -254,6 +258,7 @@ impl kernel::Module for NvidiaPeermem {
         Ok(Self {
             _clients: clients,
             _reaper: reaper,
+            _windows: windows,
             _waitq: waitq,
             _cache: cache,
             _stats: stats,

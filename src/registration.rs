@@ -368,7 +368,7 @@ impl Registration {
         let route = Route::of(first, &peer);
         let persistent = self.mode == Mode::Persistent;
         let made = route.admit().and_then(|()| {
-            self.map_pages(table, peer)
+            self.map_pages(table, peer, &route)
                 .inspect_err(|e| route.failed(*e, persistent))
         });
         // SAFETY: `sg_head` is the core's table for this registration (caller).
@@ -456,16 +456,17 @@ impl Registration {
     /// Maps the pages of `table` for `peer`: ourselves for non-persistent
     /// pins (no lock of the GPU driver's is taken, see `bar_map`), through
     /// the GPU driver for persistent ones.
-    fn map_pages(&self, table: PageTable, peer: PeerDevice) -> Result<DeviceMap> {
+    fn map_pages(&self, table: PageTable, peer: PeerDevice, route: &Route) -> Result<DeviceMap> {
         let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
         match self.mode {
             Mode::Invalidating => {
                 // SAFETY: checked by `get_pages` and valid during `dma_map`
                 // (see there); the view does not outlive this block.
                 let pages = unsafe { table.pages() };
+                let window = route.window(&peer);
                 // SAFETY: the slot is this registration's and is used by one
                 // mapping at a time (see `sg_slot`): this one, made in Mapping.
-                unsafe { bar_map::map(&pages, &peer, &self.sg_slot) }.map_err(|e| match e {
+                unsafe { bar_map::map(&pages, &peer, &self.sg_slot, window) }.map_err(|e| match e {
                         e if e == compat::eopnotsupp() => fail!(
                             Cause::PageTable,
                             e,

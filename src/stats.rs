@@ -93,6 +93,9 @@ pub(crate) struct Stats {
     pub(crate) core_invalidations: Atomic<u64>,
     /// Scatterlist entries handed out.
     pub(crate) sg_entries: Atomic<u64>,
+    /// Non-persistent mappings made in a pair's whole-BAR window
+    /// (`bar_window`) instead of a DMA mapping of their own.
+    pub(crate) window_maps: Atomic<u64>,
     /// Releases in another process than the pinning one (the GPU driver's
     /// unpin would do nothing there): the pin waited for the free callback.
     pub(crate) foreign_releases: Atomic<u64>,
@@ -120,6 +123,7 @@ impl Stats {
             invalidations: Atomic::new(0),
             core_invalidations: Atomic::new(0),
             sg_entries: Atomic::new(0),
+            window_maps: Atomic::new(0),
             foreign_releases: Atomic::new(0),
             orphaned_pins: Atomic::new(0),
             stranded_pins: Atomic::new(0),
@@ -160,6 +164,7 @@ impl Stats {
             ("invalidations", &self.invalidations),
             ("core_invalidations", &self.core_invalidations),
             ("sg_entries", &self.sg_entries),
+            ("window_maps", &self.window_maps),
             ("foreign_releases", &self.foreign_releases),
             ("orphaned_pins", &self.orphaned_pins),
             ("stranded_pins", &self.stranded_pins),
@@ -168,6 +173,7 @@ impl Stats {
         for (name, v) in plain {
             writeln!(f, "{name} {}", v.load(Relaxed))?;
         }
+        writeln!(f, "bar_windows {}", crate::bar_window::live())?;
         for c in Cause::ALL {
             writeln!(f, "fail_{} {}", c.name(), self.failures(c))?;
         }

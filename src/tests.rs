@@ -1038,3 +1038,55 @@ mod sg_tests {
         Ok(())
     }
 }
+
+#[kunit_tests(nvidia_peermem_bar_window)]
+mod bar_window_tests {
+    use crate::{
+        bar_window::Window,
+        coalesce::Segment, //
+    };
+
+    fn seg(addr: u64, len: u64) -> Segment {
+        Segment { addr, len }
+    }
+
+    // A 2 GiB BAR at 0x38_0000_0000, mapped at 0x8000_0000.
+    const W: Window = Window {
+        start: 0x38_0000_0000,
+        end: 0x38_7fff_ffff,
+        base: 0x8000_0000,
+    };
+
+    #[test]
+    fn a_run_in_the_window_is_at_its_offset() {
+        assert_eq!(
+            W.segment(seg(0x38_0001_0000, 0x20_0000)),
+            Some(seg(0x8001_0000, 0x20_0000))
+        );
+        // The whole BAR, and its last page.
+        assert_eq!(
+            W.segment(seg(0x38_0000_0000, 0x8000_0000)),
+            Some(seg(0x8000_0000, 0x8000_0000))
+        );
+        assert_eq!(
+            W.segment(seg(0x38_7fff_0000, 0x1_0000)),
+            Some(seg(0xffff_0000, 0x1_0000))
+        );
+    }
+
+    #[test]
+    fn a_run_not_all_in_the_window_is_refused() {
+        // Starts below, ends past, lies elsewhere, is empty, overflows.
+        assert_eq!(W.segment(seg(0x37_ffff_0000, 0x2_0000)), None);
+        assert_eq!(W.segment(seg(0x38_7fff_0000, 0x2_0000)), None);
+        assert_eq!(W.segment(seg(0x1000_0000, 0x1_0000)), None);
+        assert_eq!(W.segment(seg(0x38_0000_0000, 0)), None);
+        assert_eq!(W.segment(seg(u64::MAX - 0xffff, 0x2_0000)), None);
+        // A base near the top cannot wrap.
+        let high = Window {
+            base: u64::MAX - 0xffff,
+            ..W
+        };
+        assert_eq!(high.segment(seg(0x38_0002_0000, 0x1_0000)), None);
+    }
+}

@@ -14,7 +14,7 @@ use crate::{
         Gpu,
         Pair, //
     },
-    compat, ffi,
+    bar_window, compat, ffi,
     path::{
         self,
         Chain,
@@ -206,6 +206,16 @@ impl Route {
                 class.name()
             );
         }
+    }
+
+    /// The pair's whole-BAR window for `peer` (see `bar_window`), if its DMA
+    /// is untranslated.
+    pub(crate) fn window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
+        let (pair, _) = self.pair.as_ref()?;
+        let bar = accounting::gpu_bar(self.gpu?);
+        // SAFETY: the core keeps `peer` alive and bound while it maps for it
+        // (the `PeerDevice` invariant; we are inside its `dma_map`).
+        unsafe { bar_window::get(pair.slot, peer.dev(), bar) }
     }
 
     /// Counts a mapped registration of `bytes` for the process `tgid` (the

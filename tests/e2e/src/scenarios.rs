@@ -166,6 +166,11 @@ pub const ALL: &[Scenario] = &[
         run: contiguous_1g,
     },
     Scenario {
+        name: "bar_window",
+        applies: ours_invalidating_any,
+        run: bar_window,
+    },
+    Scenario {
         name: "dma_unmap_failure",
         applies: always,
         run: hostile::dma_unmap_failure,
@@ -1041,6 +1046,30 @@ fn module_text(name: &str) -> Result<(u64, u64), String> {
     }
 }
 
+/// The text of the kernel function `name` (from /proc/kallsyms: its address
+/// up to the next symbol's), if the kernel has it.
+fn kernel_function(name: &str) -> Option<(u64, u64)> {
+    let ks = std::fs::read_to_string("/proc/kallsyms").ok()?;
+    let mut start = None;
+    let mut addrs = Vec::new();
+    for l in ks.lines().filter(|l| !l.ends_with(']')) {
+        let mut it = l.split_whitespace();
+        let (Some(a), Some(_), Some(n)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        let Ok(a) = u64::from_str_radix(a, 16) else {
+            continue;
+        };
+        if n == name {
+            start = Some(a);
+        }
+        addrs.push(a);
+    }
+    let start = start.filter(|&a| a != 0)?;
+    let end = addrs.into_iter().filter(|&a| a > start).min()?;
+    Some((start, end))
+}
+
 /// Fails, one registration at a time, the 1st, 2nd, ... memory allocation
 /// made with this module on the stack (failslab and fail_page_alloc with a
 /// call-site filter on our text, /proc/thread-self/fail-nth), until a
@@ -1048,6 +1077,10 @@ fn module_text(name: &str) -> Result<(u64, u64), String> {
 /// errno and leave nothing behind.
 fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
     let (lo, hi) = module_text("nvidia_peermem")?;
+    // Not DMA-API debug's own bookkeeping of a mapping made under us: it
+    // turns itself off for the rest of the boot when that fails, and the
+    // later scenarios rely on it.
+    let (rlo, rhi) = kernel_function("debug_dma_map_phys").unwrap_or((0, 0));
     for dir in [
         "/sys/kernel/debug/failslab",
         "/sys/kernel/debug/fail_page_alloc",
@@ -1055,6 +1088,8 @@ fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
         module::debugfs_write(&format!("{dir}/ignore-gfp-wait"), "N")?;
         module::debugfs_write(&format!("{dir}/require-start"), &lo.to_string())?;
         module::debugfs_write(&format!("{dir}/require-end"), &hi.to_string())?;
+        module::debugfs_write(&format!("{dir}/reject-start"), &rlo.to_string())?;
+        module::debugfs_write(&format!("{dir}/reject-end"), &rhi.to_string())?;
         module::debugfs_write(&format!("{dir}/verbose"), "0")?;
     }
     let a = ctx.gpu().alloc(0, 8 * M).map_err(errno_name)?;
@@ -1110,7 +1145,13 @@ fn allocation_failure_sweep(ctx: &mut Ctx) -> Result<String, String> {
     ] {
         module::debugfs_write(&format!("{dir}/require-start"), "0")?;
         module::debugfs_write(&format!("{dir}/require-end"), "0")?;
+        module::debugfs_write(&format!("{dir}/reject-start"), "0")?;
+        module::debugfs_write(&format!("{dir}/reject-end"), "0")?;
     }
+    ensure!(
+        !dma_debug_off(),
+        "DMA-API debug turned itself off during the sweep"
+    );
     ensure!(ok, "the sweep never got a registration through");
     ensure!(sites >= 2, "only {sites} allocation sites reached");
     reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
@@ -1511,4 +1552,136 @@ fn contiguous_1g(ctx: &mut Ctx) -> Result<String, String> {
         q.nmap,
         G / K64
     ))
+}
+
+/// Binds (`bind`) or unbinds the HCA from the core's driver.
+fn hca_driver(hca: &str, bind: bool) -> Result<(), String> {
+    let f = format!(
+        "/sys/bus/pci/drivers/peer_mem_core_hca/{}",
+        if bind { "bind" } else { "unbind" }
+    );
+    std::fs::write(&f, hca).map_err(|e| format!("{f} {hca}: {e}"))
+}
+
+/// DMA-API debug is built in but has turned itself off (after an allocation
+/// of its own failed): it checks nothing any more.
+fn dma_debug_off() -> bool {
+    std::fs::read_to_string("/sys/kernel/debug/dma-api/disabled").is_ok_and(|v| v.trim() == "Y")
+}
+
+/// DMA-API debug's reports of mappings left when a driver let go of its
+/// device, so far.
+fn leaked_at_unbind() -> usize {
+    std::process::Command::new("dmesg")
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .matches("pending DMA allocations while released")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// One round of `bar_window` with the HCA's current IOMMU setting.
+fn window_round(ctx: &mut Ctx, hca: &str) -> Result<String, String> {
+    let untranslated = !hostile::iommu_translates();
+    let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
+    let w0 = stat("window_maps");
+    reg_verify(ctx, &a, K64, M, PMC_REG_INVAL_SUPP)?;
+    let made = stat("window_maps") - w0;
+    ensure!(
+        made == u64::from(untranslated),
+        "{made} registrations mapped in a BAR window (HCA DMA {})",
+        if untranslated { "untranslated" } else { "translated" }
+    );
+    let live = stat("bar_windows");
+    ensure!(
+        (live > 0) == untranslated,
+        "{live} BAR windows live (HCA DMA {})",
+        if untranslated { "untranslated" } else { "translated" }
+    );
+    ensure!(
+        !dma_debug_off(),
+        "DMA-API debug is off: it would not report a mapping left at unbind"
+    );
+    // The HCA loses its driver, under a live MR if that MR has no mapping
+    // of its own (an RDMA driver's remove destroys its MRs first, our
+    // core's does not): its windows go before DMA-API debug looks for
+    // mappings left on it.
+    let leaks0 = leaked_at_unbind();
+    let live_mr = if untranslated {
+        Some(
+            ctx.core
+                .reg(a.va, M, PMC_REG_INVAL_SUPP)
+                .map_err(errno_name)?,
+        )
+    } else {
+        None
+    };
+    hca_driver(hca, false)?;
+    let after_unbind = stat("bar_windows");
+    let rebound = hca_driver(hca, true);
+    if let Some(h) = live_mr {
+        ctx.core.dereg(h).map_err(errno_name)?;
+    }
+    rebound?;
+    ensure!(
+        after_unbind == 0,
+        "{after_unbind} BAR windows left after the HCA lost its driver"
+    );
+    ensure!(
+        leaked_at_unbind() == leaks0,
+        "DMA-API debug found mappings left on the HCA at unbind"
+    );
+    // Rebound: the next MR decides anew, and its bytes move.
+    let w1 = stat("window_maps");
+    reg_verify(ctx, &a, 0, 2 * M, PMC_REG_INVAL_SUPP)?;
+    ensure!(
+        stat("window_maps") - w1 == u64::from(untranslated),
+        "after the rebind, {} registrations mapped in a BAR window",
+        stat("window_maps") - w1
+    );
+    a.unmap();
+    Ok(format!(
+        "{}: {} window",
+        if untranslated { "untranslated" } else { "translated" },
+        if untranslated { "one" } else { "no" }
+    ))
+}
+
+/// The whole-BAR window (src/bar_window.rs): made for an untranslated HCA,
+/// never for a translated one; gone when the HCA loses its driver, also
+/// under a live MR; decided anew after a rebind, also when the IOMMU group's
+/// type changed meanwhile (then the same HCA runs both ways).
+fn bar_window(ctx: &mut Ctx) -> Result<String, String> {
+    let hca = hostile::hca_device().ok_or("no HCA bound to the core's driver")?;
+    let mut out = vec![window_round(ctx, &hca)?];
+    let type_file = format!("/sys/bus/pci/devices/{hca}/iommu_group/type");
+    if let Ok(t) = std::fs::read_to_string(&type_file) {
+        let orig = t.trim().to_string();
+        let other = if matches!(orig.as_str(), "DMA" | "DMA-FQ") {
+            "identity"
+        } else {
+            "DMA"
+        };
+        let switch = |to: &str| -> Result<(), String> {
+            hca_driver(&hca, false)?;
+            let set = std::fs::write(&type_file, to).map_err(|e| {
+                let group = std::fs::read_dir(format!(
+                    "/sys/bus/pci/devices/{hca}/iommu_group/devices"
+                ))
+                .map(|d| d.filter_map(|e| e.ok()).count())
+                .unwrap_or(0);
+                format!("{type_file} <- {to}: {e} ({group} devices in the group)")
+            });
+            let bound = hca_driver(&hca, true);
+            set.and(bound)
+        };
+        switch(other)?;
+        let r = window_round(ctx, &hca);
+        switch(&orig)?;
+        out.push(r?);
+        out.push(window_round(ctx, &hca)?);
+    }
+    Ok(out.join("; "))
 }

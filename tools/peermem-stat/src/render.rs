@@ -32,6 +32,14 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
     ("core_invalidations", "calls of the core's invalidate hook"),
     ("sg_entries", "scatterlist entries handed out"),
     (
+        "window_maps",
+        "non-persistent mappings made in a whole-BAR window (untranslated peers)",
+    ),
+    (
+        "bar_windows",
+        "whole-BAR DMA windows live (one per GPU/peer pair without IOMMU translation)",
+    ),
+    (
         "foreign_releases",
         "releases in another process than the pinning one",
     ),

@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! One DMA mapping of a GPU's whole BAR per (GPU, peer) pair, for peers whose
+//! DMA no IOMMU translates.
+//!
+//! Why: without translation (no IOMMU, or an identity domain, the usual setup
+//! of GPUDirect RDMA clusters) a mapping of BAR pages gives the device nothing
+//! it could not reach already, yet `bar_map`'s `dma_map_resource` +
+//! `dma_unmap_resource` per registration are most of the invalidating mode's
+//! own cost. A window maps the BAR once, when the pair is first used; a run
+//! inside it is at the window's address plus the run's offset (one
+//! `dma_map_resource` maps its whole range linearly). A translated peer keeps
+//! a mapping per registration, undone at revoke: there the IOMMU is what
+//! stops a device that still uses a revoked registration, and a window would
+//! give that up.
+//!
+//! Lifetime: a window holds a reference on its device and stays until the
+//! device loses its driver or the module unloads. A rebind may bring another
+//! DMA mask or IOMMU domain (an IOMMU group's `type` can only change while no
+//! driver is bound), so the next registration decides anew. The unbind
+//! notification comes after the driver's `remove`, which deregisters every
+//! MR of the device (an RDMA driver unregisters its `ib_device`, and the core
+//! releases its MRs, before `remove` returns), and before DMA-API debug checks
+//! the device for leaked mappings. Scenario `bar_window` unbinds and rebinds
+//! the HCA, with and without a live registration, and switches its IOMMU
+//! group between translated and identity.
+
+use core::{
+    ptr,
+    sync::atomic::fence, //
+};
+
+use kernel::{
+    bindings,
+    prelude::*, //
+};
+
+use crate::{
+    accounting::PAIRS,
+    atomics::{
+        Acquire,
+        Atomic,
+        Relaxed,
+        Release, //
+    },
+    coalesce::Segment,
+    ffi,
+};
+
+/// No decision yet for the pair (or its device lost its driver).
+const EMPTY: u32 = 0;
+/// Being made or retired by one thread.
+const BUSY: u32 = 1;
+/// Mapped for `dev`.
+const LIVE: u32 = 2;
+/// `dev`'s DMA is translated (or the window could not be mapped): its
+/// registrations map their own runs until the device loses its driver.
+const OWN: u32 = 3;
+const STATE: u32 = 3;
+/// One generation: every change of a slot's word adds it.
+const GEN: u32 = 4;
+
+/// The next word after `w`, in `state`.
+fn next(w: u32, state: u32) -> u32 {
+    ((w & !STATE).wrapping_add(GEN)) | state
+}
+
+/// One pair's window.
+///
+/// The fields are written only by the thread that moved the word to `BUSY`
+/// and are valid for the word it stores next; readers check that the word
+/// did not change while they read them (a sequence lock).
+struct Slot {
+    word: Atomic<u32>,
+    dev: Atomic<*mut bindings::device>,
+    /// The BAR's first and last byte, and the device address of the first.
+    start: Atomic<u64>,
+    end: Atomic<u64>,
+    base: Atomic<u64>,
+}
+
+impl Slot {
+    const fn new() -> Self {
+        Self {
+            word: Atomic::new(EMPTY),
+            dev: Atomic::new(ptr::null_mut()),
+            start: Atomic::new(0),
+            end: Atomic::new(0),
+            base: Atomic::new(0),
+        }
+    }
+}
+
+/// The windows, indexed like the accounting's pairs.
+static SLOTS: [Slot; PAIRS] = [const { Slot::new() }; PAIRS];
+
+/// A live window: the BAR bytes `[start, end]` mapped at `base`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Window {
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) base: u64,
+}
+
+impl Window {
+    /// The device range of the BAR bytes `run`, if the window holds them all.
+    pub(crate) fn segment(&self, run: Segment) -> Option<Segment> {
+        let last = run.addr.checked_add(run.len.checked_sub(1)?)?;
+        if run.addr < self.start || last > self.end {
+            return None;
+        }
+        Some(Segment {
+            addr: self.base.checked_add(run.addr - self.start)?,
+            len: run.len,
+        })
+    }
+}
+
+/// The window of pair `pair` for `dev` over the BAR `[start, end]`, made on
+/// the pair's first use; `None` when `dev`'s DMA is translated, the window
+/// could not be mapped, or another thread is making or retiring it (the
+/// caller maps its runs itself then).
+///
+/// # Safety
+///
+/// `dev` must be a device the core keeps alive and bound during the call
+/// (it is inside `dma_map` for it).
+pub(crate) unsafe fn get(
+    pair: usize,
+    dev: *mut bindings::device,
+    bar: (u64, u64),
+) -> Option<Window> {
+    let s = SLOTS.get(pair)?;
+    let w = s.word.load(Acquire);
+    match w & STATE {
+        LIVE => {
+            let (d, win) = (
+                s.dev.load(Relaxed),
+                Window {
+                    start: s.start.load(Relaxed),
+                    end: s.end.load(Relaxed),
+                    base: s.base.load(Relaxed),
+                },
+            );
+            fence(Acquire);
+            (d == dev && s.word.load(Relaxed) == w).then_some(win)
+        }
+        // SAFETY: as promised by the caller.
+        EMPTY => unsafe { make(s, w, dev, bar) },
+        _ => None,
+    }
+}
+
+/// Decides the pair's window for `dev`, mapping it if `dev`'s DMA is
+/// untranslated.
+///
+/// # Safety
+///
+/// As for [`get`].
+#[cold]
+#[inline(never)]
+unsafe fn make(
+    s: &Slot,
+    w: u32,
+    dev: *mut bindings::device,
+    (start, end): (u64, u64),
+) -> Option<Window> {
+    let busy = next(w, BUSY);
+    s.word.cmpxchg(w, busy, Acquire).ok()?;
+    fence(Release);
+    // SAFETY: a live device (caller).
+    let iommu = unsafe { ffi::peermem_iommu_kind(dev) };
+    let mut base = 0u64;
+    // 0: no IOMMU, 1: identity domain.
+    let mapped = (0..=1).contains(&iommu) && start != 0 && start <= end && {
+        // SAFETY: a live device (caller); the reference is dropped by
+        // `retire`, after the window's unmap.
+        unsafe { bindings::get_device(dev) };
+        // SAFETY: a live device; `[start, end]` is a PCI memory BAR (the
+        // accounting's GPU record, read from the GPU's resource), kept
+        // mapped until `retire`.
+        let rc = unsafe { ffi::peermem_map_bar(dev, start, end - start + 1, &mut base) };
+        if rc != 0 {
+            // SAFETY: the reference taken above.
+            unsafe { bindings::put_device(dev) };
+        }
+        rc == 0
+    };
+    s.dev.store(dev, Relaxed);
+    s.start.store(start, Relaxed);
+    s.end.store(end, Relaxed);
+    s.base.store(base, Relaxed);
+    s.word
+        .store(next(busy, if mapped { LIVE } else { OWN }), Release);
+    mapped.then_some(Window { start, end, base })
+}
+
+/// Retires the window of slot `s` if it is `only`'s (any device's if `None`):
+/// unmaps it and drops its device reference.
+fn retire(s: &Slot, only: Option<*mut bindings::device>) {
+    loop {
+        let w = s.word.load(Acquire);
+        let state = w & STATE;
+        // BUSY: being made for a bound device (not one losing its driver,
+        // which no core maps for), or retired by another thread.
+        if state == EMPTY || state == BUSY {
+            return;
+        }
+        let dev = s.dev.load(Relaxed);
+        if only.is_some_and(|d| d != dev) {
+            return;
+        }
+        let busy = next(w, BUSY);
+        if s.word.cmpxchg(w, busy, Acquire).is_err() {
+            continue;
+        }
+        fence(Release);
+        if state == LIVE {
+            let (start, end) = (s.start.load(Relaxed), s.end.load(Relaxed));
+            // SAFETY: mapped by `make` for `dev`, whose reference the window
+            // holds; undone once (the slot left LIVE above).
+            unsafe {
+                ffi::peermem_unmap_bar(dev, s.base.load(Relaxed), end - start + 1);
+                bindings::put_device(dev);
+            }
+        }
+        s.dev.store(ptr::null_mut(), Relaxed);
+        s.word.store(next(busy, EMPTY), Release);
+        return;
+    }
+}
+
+/// The number of live windows.
+pub(crate) fn live() -> usize {
+    SLOTS
+        .iter()
+        .filter(|s| s.word.load(Relaxed) & STATE == LIVE)
+        .count()
+}
+
+/// `dev` lost its driver (C shim, bus notifier): its windows go.
+#[no_mangle]
+extern "C" fn peermem_device_unbound(dev: *mut bindings::device) {
+    for s in &SLOTS {
+        retire(s, Some(dev));
+    }
+}
+
+/// Watches PCI devices for the loss of their driver while the module has
+/// windows; retires every window when dropped.
+///
+/// # Invariants
+///
+/// The shim's bus notifier is registered from `new` until `drop`.
+pub(crate) struct Windows(());
+
+impl Windows {
+    /// Registers the bus notifier (before any client: no window exists yet).
+    pub(crate) fn new() -> Result<Self> {
+        // SAFETY: no preconditions; registered once.
+        kernel::error::to_result(unsafe { ffi::peermem_watch_devices() })?;
+        // INVARIANT: registered just above.
+        Ok(Self(()))
+    }
+}
+
+impl Drop for Windows {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new` (type invariant); returns once no
+        // notification runs any more.
+        unsafe { ffi::peermem_unwatch_devices() };
+        // The clients are unregistered and the reap queue drained (module
+        // field order): no registration is left to use a window.
+        for s in &SLOTS {
+            retire(s, None);
+        }
+    }
+}
