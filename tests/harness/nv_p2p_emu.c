@@ -195,7 +195,7 @@ static struct workqueue_struct *race_wq;
 static bool unloading;
 
 static atomic64_t st_pins, st_ppins, st_unpins, st_callbacks, st_live_tables, st_live_maps, st_dma_maps;
-static atomic64_t st_bytes;	/* memory of live tables and mappings, as kmalloc rounds it */
+static atomic64_t st_bytes;	/* memory of live tables and mappings, as slab holds it */
 static atomic64_t st_ns;	/* time inside the exported calls (benchmark: client's own share) */
 static atomic64_t st_map_ns;	/* the part of it inside dma_map_pages/dma_unmap_pages */
 static atomic64_t st_foreign_puts, st_failed_unpins, st_stale, st_deferred_cbs, st_reused,
@@ -221,21 +221,31 @@ static int timed(u64 t0, int ret)
 	return ret;
 }
 
-static u64 kbytes(size_t n)
+/* What slab (or vmalloc) holds for the @size-byte allocation at @p. */
+static u64 held(const void *p, size_t size)
 {
-	return n <= 8 ? 8 : roundup_pow_of_two(n);
+	if (!p)
+		return 0;
+	if (is_vmalloc_addr(p))
+		return PAGE_ALIGN(size);
+	return kmalloc_size_roundup(size);
 }
 
-static u64 table_bytes(u64 n)
+static u64 table_bytes(struct emu_table *t)
 {
-	return kbytes(sizeof(struct emu_table)) + kbytes(n * sizeof(void *)) +
-	       kbytes(n * sizeof(struct nvidia_p2p_page)) + kbytes(NVIDIA_P2P_GPU_UUID_LEN);
+	u64 n = t->pt.entries;
+
+	return held(t, sizeof(*t)) + held(t->pt.pages, n * sizeof(void *)) +
+	       held(t->page_structs, n * sizeof(struct nvidia_p2p_page)) +
+	       held(t->pt.gpu_uuid, NVIDIA_P2P_GPU_UUID_LEN);
 }
 
-static u64 mapping_bytes(u64 n)
+static u64 mapping_bytes(struct emu_mapping *em)
 {
-	return kbytes(sizeof(struct emu_mapping)) + kbytes(n * sizeof(u64)) +
-	       kbytes(n * sizeof(struct emu_run));
+	u64 n = em->m.entries;
+
+	return held(em, sizeof(*em)) + held(em->m.dma_addresses, n * sizeof(u64)) +
+	       held(em->runs, n * sizeof(struct emu_run));
 }
 
 /* --- the RM API lock ------------------------------------------------------ */
@@ -525,7 +535,7 @@ static void free_mapping(struct emu_mapping *em)
 
 	for (i = 0; i < em->nruns; i++)
 		dma_unmap_resource(dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
-	atomic64_sub(mapping_bytes(em->m.entries), &st_bytes);
+	atomic64_sub(mapping_bytes(em), &st_bytes);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
 	kfree(em);
@@ -543,7 +553,7 @@ static void free_table(struct emu_table *t)
 		free_mapping(em);
 	}
 	bar1_put(t->alloc->gpu, t->first_chunk, t->pt.entries);
-	atomic64_sub(table_bytes(t->pt.entries), &st_bytes);
+	atomic64_sub(table_bytes(t), &st_bytes);
 	kvfree(t->pt.pages);
 	kvfree(t->page_structs);
 	kfree(t->pt.gpu_uuid);
@@ -705,7 +715,7 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 		a->persistent_pins++;
 	atomic64_inc(persistent ? &st_ppins : &st_pins);
 	atomic64_inc(&st_live_tables);
-	atomic64_add(table_bytes(n), &st_bytes);
+	atomic64_add(table_bytes(t), &st_bytes);
 	*ptp = &t->pt;
 	if (!persistent && atomic_add_unless(&race_free_on_pin, -1, 0)) {
 		/* A cudaFree that arrives while this pin is in progress: it
@@ -1033,7 +1043,7 @@ unlock:
 	spin_unlock(&table_lock);
 	atomic64_inc(&st_live_maps);
 	atomic64_inc(&st_dma_maps);
-	atomic64_add(mapping_bytes(n), &st_bytes);
+	atomic64_add(mapping_bytes(em), &st_bytes);
 	*dma_mapping = &em->m;
 	return 0;
 
