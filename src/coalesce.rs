@@ -14,6 +14,14 @@ pub(crate) struct Segment {
     pub(crate) len: u64,
 }
 
+/// The longest a segment may be for a device whose segments may be
+/// `max_seg` bytes long: whole pages of `page` bytes (at least one), and no
+/// more than `u32::MAX` (the width of a scatterlist length).
+pub(crate) fn segment_limit(max_seg: u64, page: u64) -> u64 {
+    let cap = core::cmp::min(max_seg, u64::from(u32::MAX));
+    core::cmp::max(cap - cap % page, page)
+}
+
 /// Iterator over the segments of a page-address list.
 ///
 /// Pages whose DMA addresses follow each other are merged, as long as a
@@ -29,12 +37,10 @@ impl<'a> Coalescer<'a> {
     /// Segments of `addrs` (one bus address per page of `page` bytes) for a
     /// device whose segments may be `max_seg` bytes long.
     pub(crate) fn new(addrs: &'a [u64], page: u64, max_seg: u64) -> Self {
-        let cap = core::cmp::min(max_seg, u64::from(u32::MAX));
-        let max_seg = core::cmp::max(cap - cap % page, page);
         Self {
             addrs,
             page,
-            max_seg,
+            max_seg: segment_limit(max_seg, page),
         }
     }
 }
@@ -82,14 +88,12 @@ pub(crate) struct Runs<F: Fn(usize) -> u64> {
 impl<F: Fn(usize) -> u64> Runs<F> {
     /// Segments of pages `0..n`, page `i` at `addr(i)`.
     pub(crate) fn new(n: usize, addr: F, page: u64, max_seg: u64) -> Self {
-        let cap = core::cmp::min(max_seg, u64::from(u32::MAX));
-        let max_seg = core::cmp::max(cap - cap % page, page);
         Self {
             at: 0,
             n,
             addr,
             page,
-            max_seg,
+            max_seg: segment_limit(max_seg, page),
         }
     }
 }

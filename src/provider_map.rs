@@ -129,8 +129,9 @@ pub(crate) unsafe fn map(
         None => return Err(EINVAL),
     };
     let max_seg = peer.max_segment();
-    let mut segs = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg);
-    let first = segs.next().ok_or(EINVAL)?;
+    let first = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
+        .next()
+        .ok_or(EINVAL)?;
     // Pages after the first segment: each starts at most one more segment.
     let rest = addrs.len() - (first.len / GPU_PAGE_SIZE) as usize;
     if rest == 0 {
@@ -142,7 +143,7 @@ pub(crate) unsafe fn map(
     // One pass over the addresses: the table is sized for one entry per
     // page left (as many as the C module allocates), filled as the
     // segments are found.
-    let sg = SgTable::up_to(rest + 1, Iterator::chain(core::iter::once(first), segs))
+    let sg = SgTable::coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg)
         .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
     Ok(DeviceMap::Provider(KBox::new(
         ProviderMap { _run: run, sg },

@@ -9,7 +9,10 @@ use kernel::{
     types::Opaque, //
 };
 
-use crate::coalesce::Segment;
+use crate::coalesce::{
+    segment_limit,
+    Segment, //
+};
 
 /// `page_link` bits (include/linux/scatterlist.h): the entry is a link to
 /// the next chunk of the table, or the table's last entry.
@@ -28,6 +31,20 @@ unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
     if unsafe { (*sg).page_link } & SG_END != 0 {
         return core::ptr::null_mut();
     }
+    // SAFETY: an entry of a table set up by `sg_alloc_table` (caller), not
+    // its last (checked just above).
+    unsafe { next_of_many(sg) }
+}
+
+/// The entry after `sg`, which is not its table's last: [`next`] without the
+/// end check.
+///
+/// # Safety
+///
+/// `sg` must be an entry of a table set up by `sg_alloc_table`, other than
+/// its last.
+#[inline(always)]
+unsafe fn next_of_many(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
     // SAFETY: not the last entry, so the next slot of its chunk is an entry
     // or the link to the next chunk (`sg_alloc_table` reserves it).
     let following = unsafe { sg.add(1) };
@@ -61,6 +78,46 @@ unsafe fn set_dma(sg: *mut bindings::scatterlist, addr: u64, len: u32) {
         (*sg).length = len;
         (*sg).dma_address = addr;
         (*sg).dma_length = len;
+    }
+}
+
+/// The next entry to fill of an allocated table, and how many are filled.
+struct Cursor {
+    sg: *mut bindings::scatterlist,
+    filled: u32,
+    cap: u32,
+}
+
+impl Cursor {
+    /// Writes the run of `len` bytes (at most `u32::MAX`) at `addr` into the
+    /// next entry, and moves to the one after it.
+    ///
+    /// # Safety
+    ///
+    /// `sg` must be the entry after the `filled` filled ones of a table set
+    /// up by `sg_alloc_table` for `cap` entries, written by nothing else.
+    #[inline(always)]
+    unsafe fn put(&mut self, addr: u64, len: u64) -> Result {
+        if self.filled == self.cap {
+            return Err(EINVAL);
+        }
+        let len = u32::try_from(len).map_err(|_| EINVAL)?;
+        let sg = self.sg;
+        // SAFETY: one of the table's `cap` entries, not filled yet (caller;
+        // `filled < cap`). `sg_alloc_table` zeroed it: its `offset` is 0
+        // already.
+        unsafe {
+            (*sg).length = len;
+            (*sg).dma_address = addr;
+            (*sg).dma_length = len;
+        }
+        // `filled < cap`: no overflow.
+        self.filled = self.filled.wrapping_add(1);
+        if self.filled < self.cap {
+            // SAFETY: an entry of the table, and not its last.
+            self.sg = unsafe { next_of_many(sg) };
+        }
+        Ok(())
     }
 }
 
@@ -188,17 +245,22 @@ impl SgTable {
     }
 
     /// Builds an allocated table of at most `cap` entries (two or more) from
-    /// `segs`, in one pass: for segments whose number is only known once
-    /// they are made. The table's DMA view (`nents`) is the entries filled;
-    /// the entries after them stay empty (zero length) and are freed with
-    /// the rest (`orig_nents` is `cap`), as after `dma_map_sg` merged
-    /// entries. The core reads `nents` entries (it stores the count
-    /// `dma_map` returns in `nents`).
-    pub(crate) fn up_to(cap: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
+    /// the DMA addresses of consecutive pages of `page` bytes, one entry per
+    /// run of contiguous pages (up to [`segment_limit`]`(max_seg, page)`
+    /// bytes, as [`Coalescer`](crate::coalesce::Coalescer) makes them), in
+    /// one pass: the number of runs is only known once they are found. The
+    /// table's DMA view (`nents`) is the entries filled; the entries after
+    /// them stay empty (zero length) and are freed with the rest
+    /// (`orig_nents` is `cap`), as after `dma_map_sg` merged entries. The
+    /// core reads `nents` entries (it stores the count `dma_map` returns in
+    /// `nents`).
+    pub(crate) fn coalesced(cap: usize, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
         let cap32 = u32::try_from(cap).map_err(|_| EINVAL)?;
+        let (&first, rest) = addrs.split_first().ok_or(EINVAL)?;
         if cap < 2 {
             return Err(EINVAL);
         }
+        let limit = segment_limit(max_seg, page);
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
         // SAFETY: `table` is a valid, empty table.
@@ -208,12 +270,26 @@ impl SgTable {
         // INVARIANT: allocated above, freed on drop (also on the errors
         // below).
         let mut this = Self { table };
-        let filled = this.fill(segs)?;
-        if filled == 0 {
-            return Err(EINVAL);
+        let mut at = Cursor {
+            sg: this.table.sgl,
+            filled: 0,
+            cap: cap32,
+        };
+        // One compare per page that continues the run; an entry written per
+        // run (this loop runs once per 64 KiB page of up to 1 GiB).
+        let (mut addr, mut len) = (first, page);
+        for &a in rest {
+            if addr.checked_add(len) == Some(a) && len + page <= limit {
+                len += page;
+                continue;
+            }
+            // SAFETY: `at` walks this table's entries.
+            unsafe { at.put(addr, len) }?;
+            (addr, len) = (a, page);
         }
-        // `filled <= cap`, which fits a `u32`.
-        this.table.nents = filled as u32;
+        // SAFETY: as above.
+        unsafe { at.put(addr, len) }?;
+        this.table.nents = at.filled;
         Ok(this)
     }
 

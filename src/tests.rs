@@ -938,32 +938,63 @@ mod sg_tests {
     }
 
     #[test]
-    fn a_table_up_to_a_bound_shows_the_segments_made() -> Result {
-        let segs = [seg(0x50_0000, 0x1_0000), seg(0x10_0000, 0x3_0000)];
-        let t = SgTable::up_to(4, segs.into_iter())?;
+    fn a_coalesced_table_shows_the_runs_found() -> Result {
+        const P: u64 = 0x1_0000;
+        // A page alone, then two runs of three pages, each cut by the device's
+        // two-page segment limit.
+        let addrs = [
+            0x50_0000, 0x10_0000, 0x11_0000, 0x12_0000, 0x20_0000, 0x21_0000, 0x22_0000,
+        ];
+        let segs = [
+            seg(0x50_0000, P),
+            seg(0x10_0000, 2 * P),
+            seg(0x12_0000, P),
+            seg(0x20_0000, 2 * P),
+            seg(0x22_0000, P),
+        ];
+        let t = SgTable::coalesced(7, &addrs, P, 2 * P)?;
         let h = header(&t);
-        // The DMA view is what was filled; all four entries are freed.
-        assert_eq!((h.nents, h.orig_nents), (2, 4));
-        assert_eq!(t.nents(), 2);
+        // The DMA view is what was filled; all seven entries are freed.
+        assert_eq!((h.nents, h.orig_nents), (5, 7));
+        assert_eq!(t.nents(), 5);
         let mut e = h.sgl;
-        for i in 0..4 {
+        for i in 0..7 {
             assert!(!e.is_null());
-            // SAFETY: one of the table's 4 entries.
+            // SAFETY: one of the table's 7 entries.
             let r = unsafe { &*e };
             match segs.get(i) {
                 Some(s) => assert_eq!((r.dma_address, u64::from(r.dma_length)), (s.addr, s.len)),
                 None => assert_eq!((r.dma_length, r.length), (0, 0)),
             }
             let last = r.page_link & SG_END != 0;
-            assert_eq!(last, i == 3);
+            assert_eq!(last, i == 6);
             // SAFETY: `e` is an entry of a table set up by `sg_alloc_table`.
             e = unsafe { bindings::sg_next(e) };
         }
         assert!(e.is_null());
-        // More segments than the bound, or none, are refused.
-        assert!(SgTable::up_to(2, [seg(0, 0x1_0000); 3].into_iter()).is_err());
-        assert!(SgTable::up_to(2, core::iter::empty()).is_err());
-        assert!(SgTable::up_to(1, [seg(0, 0x1_0000)].into_iter()).is_err());
+        // Over 128 entries span chained chunks: 300 pages, none following
+        // the one before.
+        let mut many = KVec::new();
+        for i in 0..300u64 {
+            many.push(0x1000_0000 - i * P, GFP_KERNEL)?;
+        }
+        let t = SgTable::coalesced(300, &many, P, 1 << 31)?;
+        let h = header(&t);
+        assert_eq!((h.nents, h.orig_nents), (300, 300));
+        let mut e = h.sgl;
+        for a in many.iter() {
+            assert!(!e.is_null());
+            // SAFETY: one of the table's entries.
+            let r = unsafe { &*e };
+            assert_eq!((r.dma_address, r.dma_length), (*a, P as u32));
+            // SAFETY: as above.
+            e = unsafe { bindings::sg_next(e) };
+        }
+        assert!(e.is_null());
+        // More runs than the bound, or no page, or a bound under 2 are refused.
+        assert!(SgTable::coalesced(2, &[0, 2 * P, 4 * P], P, 1 << 31).is_err());
+        assert!(SgTable::coalesced(2, &[], P, 1 << 31).is_err());
+        assert!(SgTable::coalesced(1, &[0], P, 1 << 31).is_err());
         Ok(())
     }
 
