@@ -144,7 +144,9 @@ pub(crate) unsafe fn map(
         })
     };
     let mut first: Option<(Segment, Option<RunIova>)> = None;
-    let (mut segs, mut iovas) = (KVec::new(), KVec::new());
+    // Only for a second run: even an empty vector costs a call to the
+    // allocator when dropped.
+    let mut more: Option<(KVec<Segment>, KVec<RunIova>)> = None;
     let mut in_window = false;
     for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
         if missing.get() {
@@ -167,19 +169,14 @@ pub(crate) unsafe fn map(
                 (iova.segment(), Some(iova))
             }
         };
-        if let Some((s, o)) = first.take() {
-            segs.push(s, GFP_KERNEL)?;
-            if let Some(o) = o {
-                iovas.push(o, GFP_KERNEL)?;
-            }
+        if let Some(f) = first.take() {
+            let mut v = (KVec::new(), KVec::new());
+            push_run(&mut v, f)?;
+            more = Some(v);
         }
-        if segs.is_empty() {
-            first = Some((seg, own));
-        } else {
-            segs.push(seg, GFP_KERNEL)?;
-            if let Some(o) = own {
-                iovas.push(o, GFP_KERNEL)?;
-            }
+        match more.as_mut() {
+            Some(v) => push_run(v, (seg, own))?,
+            None => first = Some((seg, own)),
         }
     }
     if missing.get() {
@@ -200,6 +197,10 @@ pub(crate) unsafe fn map(
             None => DeviceMap::Window,
         }));
     }
+    // No page at all.
+    let Some((segs, iovas)) = more else {
+        return Err(EINVAL);
+    };
     // SAFETY: as promised by the caller.
     let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
     // INVARIANT: the scatterlist was built from exactly these runs, those
@@ -211,6 +212,19 @@ pub(crate) unsafe fn map(
         },
         GFP_KERNEL,
     )?)))
+}
+
+/// Adds a run, with its own mapping if it has one, to the runs of a
+/// mapping of several.
+fn push_run(
+    (segs, iovas): &mut (KVec<Segment>, KVec<RunIova>),
+    (seg, own): (Segment, Option<RunIova>),
+) -> Result {
+    segs.push(seg, GFP_KERNEL)?;
+    if let Some(o) = own {
+        iovas.push(o, GFP_KERNEL)?;
+    }
+    Ok(())
 }
 
 impl BarMap {
