@@ -1585,20 +1585,23 @@ fn leaked_at_unbind() -> usize {
 /// One round of `bar_window` with the HCA's current IOMMU setting.
 fn window_round(ctx: &mut Ctx, hca: &str) -> Result<String, String> {
     let untranslated = !hostile::iommu_translates();
+    let how = if untranslated {
+        "untranslated"
+    } else {
+        "translated"
+    };
     let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
     let w0 = stat("window_maps");
     reg_verify(ctx, &a, K64, M, PMC_REG_INVAL_SUPP)?;
     let made = stat("window_maps") - w0;
     ensure!(
         made == u64::from(untranslated),
-        "{made} registrations mapped in a BAR window (HCA DMA {})",
-        if untranslated { "untranslated" } else { "translated" }
+        "{made} registrations mapped in a BAR window (HCA DMA {how})"
     );
     let live = stat("bar_windows");
     ensure!(
         (live > 0) == untranslated,
-        "{live} BAR windows live (HCA DMA {})",
-        if untranslated { "untranslated" } else { "translated" }
+        "{live} BAR windows live (HCA DMA {how})"
     );
     ensure!(
         !dma_debug_off(),
@@ -1643,8 +1646,7 @@ fn window_round(ctx: &mut Ctx, hca: &str) -> Result<String, String> {
     );
     a.unmap();
     Ok(format!(
-        "{}: {} window",
-        if untranslated { "untranslated" } else { "translated" },
+        "{how}: {} window",
         if untranslated { "one" } else { "no" }
     ))
 }
@@ -1667,11 +1669,10 @@ fn bar_window(ctx: &mut Ctx) -> Result<String, String> {
         let switch = |to: &str| -> Result<(), String> {
             hca_driver(&hca, false)?;
             let set = std::fs::write(&type_file, to).map_err(|e| {
-                let group = std::fs::read_dir(format!(
-                    "/sys/bus/pci/devices/{hca}/iommu_group/devices"
-                ))
-                .map(|d| d.filter_map(|e| e.ok()).count())
-                .unwrap_or(0);
+                let group =
+                    std::fs::read_dir(format!("/sys/bus/pci/devices/{hca}/iommu_group/devices"))
+                        .map(|d| d.filter_map(|e| e.ok()).count())
+                        .unwrap_or(0);
                 format!("{type_file} <- {to}: {e} ({group} devices in the group)")
             });
             let bound = hca_driver(&hca, true);
