@@ -36,7 +36,27 @@ struct KernelMem {
     pages: i64,
 }
 
+/// Empties every slab cache's per-CPU and per-node caches of free objects
+/// (`/sys/kernel/slab/*/shrink`: sheaves, barn, per-CPU partial slabs) and
+/// frees its empty slabs. Freed objects parked there keep their pages
+/// counted, and a cache shared with the rest of the kernel (kmalloc-*)
+/// parks more of them than a module's own cache: without this, the pages a
+/// hold needs depend on how many freed objects each cache happened to park.
+fn shrink_slabs() {
+    let Ok(dir) = std::fs::read_dir("/sys/kernel/slab") else {
+        return;
+    };
+    for e in dir.filter_map(|e| e.ok()) {
+        // Aliases are symlinks to the same cache: shrink each cache once.
+        if e.file_type().is_ok_and(|t| t.is_symlink()) {
+            continue;
+        }
+        let _ = std::fs::write(e.path().join("shrink"), "1");
+    }
+}
+
 fn kernel_mem() -> KernelMem {
+    shrink_slabs();
     // Best effort: stat_refresh can refuse with EINVAL when a counter is
     // transiently negative; the fold has happened anyway.
     let _ = std::fs::write("/proc/sys/vm/stat_refresh", "1");
