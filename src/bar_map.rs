@@ -157,14 +157,13 @@ pub(crate) unsafe fn map(
                 in_window = true;
                 (seg, None)
             }
+            // The run stays pinned until its mapping is undone: the unpin
+            // comes after `dma_unmap`/`release` dropped it, and a free
+            // callback drops it before it returns (`take_device_access`). On
+            // a later failure the locals drop and unmap what was mapped.
             None => {
-                // SAFETY: `run` is BAR memory of the caller's pinned table
-                // (every page of it has an address, checked just above),
-                // which stays pinned until these mappings are undone: the
-                // unpin comes after `dma_unmap`/`release` dropped them, and
-                // a free callback drops them before it returns
-                // (`take_device_access`). On a later failure the locals
-                // drop and unmap what was mapped.
+                // SAFETY: BAR memory of the caller's pinned table, every page
+                // with an address (checked above), pinned as said above.
                 let iova = unsafe { RunIova::map(dev, run) }?;
                 (iova.segment(), Some(iova))
             }
@@ -182,36 +181,35 @@ pub(crate) unsafe fn map(
     if missing.get() {
         return Err(EINVAL);
     }
-    let counted = |m| {
-        if in_window {
-            STATS.window_maps.add(1, Relaxed);
-        }
-        m
-    };
-    if let Some((seg, own)) = first {
+    let map = if let Some((seg, own)) = first {
         // SAFETY: the slot is this mapping's (caller).
         unsafe { slot.fill(seg) }?;
         // INVARIANT: the slot's entry is this run's.
-        return Ok(counted(match own {
+        match own {
             Some(run) => DeviceMap::BarRun(Some(run)),
             None => DeviceMap::Window,
-        }));
-    }
-    // No page at all.
-    let Some((segs, iovas)) = more else {
-        return Err(EINVAL);
+        }
+    } else {
+        // No page at all.
+        let Some((segs, iovas)) = more else {
+            return Err(EINVAL);
+        };
+        // SAFETY: as promised by the caller.
+        let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
+        // INVARIANT: the scatterlist was built from exactly these runs, those
+        // outside the window mapped by `iovas`.
+        DeviceMap::Bar(KBox::new(
+            BarMap {
+                sg,
+                iovas: Some(iovas),
+            },
+            GFP_KERNEL,
+        )?)
     };
-    // SAFETY: as promised by the caller.
-    let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
-    // INVARIANT: the scatterlist was built from exactly these runs, those
-    // outside the window mapped by `iovas`.
-    Ok(counted(DeviceMap::Bar(KBox::new(
-        BarMap {
-            sg,
-            iovas: Some(iovas),
-        },
-        GFP_KERNEL,
-    )?)))
+    if in_window {
+        STATS.window_maps.add(1, Relaxed);
+    }
+    Ok(map)
 }
 
 /// Adds a run, with its own mapping if it has one, to the runs of a

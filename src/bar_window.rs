@@ -170,29 +170,59 @@ unsafe fn make(
     fence(Release);
     // SAFETY: a live device (caller).
     let iommu = unsafe { ffi::peermem_iommu_kind(dev) };
-    let mut base = 0u64;
     // 0: no IOMMU, 1: identity domain.
-    let mapped = (0..=1).contains(&iommu) && start != 0 && start <= end && {
-        // SAFETY: a live device (caller); the reference is dropped by
-        // `retire`, after the window's unmap.
-        unsafe { bindings::get_device(dev) };
-        // SAFETY: a live device; `[start, end]` is a PCI memory BAR (the
-        // accounting's GPU record, read from the GPU's resource), kept
-        // mapped until `retire`.
-        let rc = unsafe { ffi::peermem_map_bar(dev, start, end - start + 1, &mut base) };
-        if rc != 0 {
-            // SAFETY: the reference taken above.
-            unsafe { bindings::put_device(dev) };
-        }
-        rc == 0
+    let base = if (0..=1).contains(&iommu) && start != 0 && start <= end {
+        // SAFETY: a live device (caller); `[start, end]` is a PCI memory BAR
+        // (the accounting's GPU record, read from the GPU's resource). The
+        // window is undone by `retire`.
+        unsafe { map_whole_bar(dev, start, end) }
+    } else {
+        None
     };
     s.dev.store(dev, Relaxed);
     s.start.store(start, Relaxed);
     s.end.store(end, Relaxed);
-    s.base.store(base, Relaxed);
+    s.base.store(base.unwrap_or(0), Relaxed);
     s.word
-        .store(next(busy, if mapped { LIVE } else { OWN }), Release);
-    mapped.then_some(Window { start, end, base })
+        .store(next(busy, if base.is_some() { LIVE } else { OWN }), Release);
+    base.map(|base| Window { start, end, base })
+}
+
+/// Maps the BAR bytes `[start, end]` for `dev` and takes a reference on
+/// `dev`; returns the device address of `start`.
+///
+/// # Safety
+///
+/// `dev` must be a live device and `[start, end]` a PCI memory BAR, with
+/// `start <= end`. The mapping must be undone with [`unmap_whole_bar`].
+unsafe fn map_whole_bar(dev: *mut bindings::device, start: u64, end: u64) -> Option<u64> {
+    let mut base = 0u64;
+    // SAFETY: a live device (caller); the reference is dropped by
+    // `unmap_whole_bar`, or below if the mapping fails.
+    unsafe { bindings::get_device(dev) };
+    // SAFETY: a live device and a memory BAR (caller).
+    let rc = unsafe { ffi::peermem_map_bar(dev, start, end - start + 1, &mut base) };
+    if rc != 0 {
+        // SAFETY: the reference taken above.
+        unsafe { bindings::put_device(dev) };
+        return None;
+    }
+    Some(base)
+}
+
+/// Undoes [`map_whole_bar`].
+///
+/// # Safety
+///
+/// `[start, end]` must have been mapped at `base` by [`map_whole_bar`] for
+/// `dev`, and not undone yet.
+unsafe fn unmap_whole_bar(dev: *mut bindings::device, start: u64, end: u64, base: u64) {
+    // SAFETY: mapped for `dev`, which the mapping's reference keeps alive
+    // (caller).
+    unsafe {
+        ffi::peermem_unmap_bar(dev, base, end - start + 1);
+        bindings::put_device(dev);
+    }
 }
 
 /// Retires the window of slot `s` if it is `only`'s (any device's if `None`):
@@ -217,12 +247,9 @@ fn retire(s: &Slot, only: Option<*mut bindings::device>) {
         fence(Release);
         if state == LIVE {
             let (start, end) = (s.start.load(Relaxed), s.end.load(Relaxed));
-            // SAFETY: mapped by `make` for `dev`, whose reference the window
-            // holds; undone once (the slot left LIVE above).
-            unsafe {
-                ffi::peermem_unmap_bar(dev, s.base.load(Relaxed), end - start + 1);
-                bindings::put_device(dev);
-            }
+            // SAFETY: mapped by `make` for `dev` with these bounds; undone
+            // once (the slot left LIVE above).
+            unsafe { unmap_whole_bar(dev, start, end, s.base.load(Relaxed)) };
         }
         s.dev.store(ptr::null_mut(), Relaxed);
         s.word.store(next(busy, EMPTY), Release);

@@ -19,32 +19,16 @@ use crate::coalesce::{
 const SG_CHAIN: kernel::ffi::c_ulong = 0x1;
 const SG_END: kernel::ffi::c_ulong = 0x2;
 
-/// The entry after `sg` in its table, or NULL after the last: the kernel's
-/// `sg_next`, inline (the kernel's is a call per entry, through a Rust
-/// helper on top, for tables of up to 16,384 entries).
-///
-/// # Safety
-///
-/// `sg` must be an entry of a table set up by `sg_alloc_table`.
-unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
-    // SAFETY: an entry of a live table (caller).
-    if unsafe { (*sg).page_link } & SG_END != 0 {
-        return core::ptr::null_mut();
-    }
-    // SAFETY: an entry of a table set up by `sg_alloc_table` (caller), not
-    // its last (checked just above).
-    unsafe { next_of_many(sg) }
-}
-
-/// The entry after `sg`, which is not its table's last: [`next`] without the
-/// end check.
+/// The entry after `sg` in its table: the kernel's `sg_next` for an entry
+/// that is not the last, inline (the kernel's is a call per entry, through a
+/// Rust helper on top, for tables of up to 16,384 entries).
 ///
 /// # Safety
 ///
 /// `sg` must be an entry of a table set up by `sg_alloc_table`, other than
 /// its last.
 #[inline(always)]
-unsafe fn next_of_many(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
+unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
     // SAFETY: not the last entry, so the next slot of its chunk is an entry
     // or the link to the next chunk (`sg_alloc_table` reserves it).
     let following = unsafe { sg.add(1) };
@@ -58,30 +42,34 @@ unsafe fn next_of_many(sg: *mut bindings::scatterlist) -> *mut bindings::scatter
     }
 }
 
-/// The length of `seg` as an entry holds it. Segments are bounded to
+/// Describes `seg` in the entry `sg` (length and DMA fields only: there is
+/// no `struct page` behind GPU BAR memory). Segments are bounded to
 /// `u32::MAX` by their producers; a longer one is refused.
-fn entry_len(seg: &Segment) -> Result<u32> {
-    u32::try_from(seg.len).map_err(|_| EINVAL)
-}
-
-/// Describes `len` bytes of bus address `addr` in the entry `sg` (DMA fields
-/// only: there is no `struct page` behind GPU BAR memory).
 ///
 /// # Safety
 ///
-/// `sg` must be an entry of a table the caller is filling, written by
-/// nothing else meanwhile.
-unsafe fn set_dma(sg: *mut bindings::scatterlist, addr: u64, len: u32) {
-    // SAFETY: as promised by the caller.
+/// `sg` must be a zeroed entry (`sg_alloc_table`'s, or a reset slot's) of a
+/// table the caller is filling, written by nothing else meanwhile.
+#[inline(always)]
+unsafe fn set_dma(sg: *mut bindings::scatterlist, seg: Segment) -> Result {
+    let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+    // SAFETY: as promised by the caller; `offset` is 0 already.
     unsafe {
-        (*sg).offset = 0;
         (*sg).length = len;
-        (*sg).dma_address = addr;
+        (*sg).dma_address = seg.addr;
         (*sg).dma_length = len;
     }
+    Ok(())
 }
 
-/// The next entry to fill of an allocated table, and how many are filled.
+/// Where the next segment goes in a table being filled, and how many
+/// entries are filled.
+///
+/// # Invariants
+///
+/// While `filled < cap`, `sg` is the table's entry after the `filled` first
+/// ones; the table has `cap` zeroed entries (set up by `sg_alloc_table`, or
+/// one in a reset slot) that only this cursor writes.
 struct Cursor {
     sg: *mut bindings::scatterlist,
     filled: u32,
@@ -89,33 +77,39 @@ struct Cursor {
 }
 
 impl Cursor {
-    /// Writes the run of `len` bytes (at most `u32::MAX`) at `addr` into the
-    /// next entry, and moves to the one after it.
+    /// A cursor at the first entry of `table`.
     ///
     /// # Safety
     ///
-    /// `sg` must be the entry after the `filled` filled ones of a table set
-    /// up by `sg_alloc_table` for `cap` entries, written by nothing else.
+    /// `table` must have just been set up (its `orig_nents` entries zeroed)
+    /// and be written by nothing else while the cursor is used.
+    unsafe fn new(table: &bindings::sg_table) -> Self {
+        // INVARIANT: nothing filled; `sgl` is the first of `orig_nents`
+        // entries (caller).
+        Self {
+            sg: table.sgl,
+            filled: 0,
+            cap: table.orig_nents,
+        }
+    }
+
+    /// Writes `seg` into the next entry and moves to the one after it.
     #[inline(always)]
-    unsafe fn put(&mut self, addr: u64, len: u64) -> Result {
+    fn put(&mut self, seg: Segment) -> Result {
         if self.filled == self.cap {
             return Err(EINVAL);
         }
-        let len = u32::try_from(len).map_err(|_| EINVAL)?;
-        let sg = self.sg;
-        // SAFETY: one of the table's `cap` entries, not filled yet (caller;
-        // `filled < cap`). `sg_alloc_table` zeroed it: its `offset` is 0
-        // already.
-        unsafe {
-            (*sg).length = len;
-            (*sg).dma_address = addr;
-            (*sg).dma_length = len;
-        }
+        // SAFETY: `filled < cap`, so `sg` is the next zeroed entry, ours to
+        // write (type invariant).
+        unsafe { set_dma(self.sg, seg) }?;
         // `filled < cap`: no overflow.
         self.filled = self.filled.wrapping_add(1);
         if self.filled < self.cap {
-            // SAFETY: an entry of the table, and not its last.
-            self.sg = unsafe { next_of_many(sg) };
+            // SAFETY: an entry of a table set up by `sg_alloc_table` (a
+            // slot's table has one entry, so it never gets here), not its
+            // last.
+            // INVARIANT: the entry after the `filled` first ones.
+            self.sg = unsafe { next(self.sg) };
         }
         Ok(())
     }
@@ -146,10 +140,8 @@ impl SgSlot {
     /// that owns the entry is dropped (the registration's mapping, at most
     /// one at a time).
     pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
-        let len = entry_len(&seg)?;
-        // SAFETY: the slot is ours to write (caller).
-        unsafe { set_dma(self.reset(), seg.addr, len) };
-        Ok(())
+        // SAFETY: the slot is ours to write (caller), and reset zeroes it.
+        unsafe { set_dma(self.reset(), seg) }
     }
 
     /// Makes the slot an empty one-entry list and returns its entry.
@@ -270,11 +262,8 @@ impl SgTable {
         // INVARIANT: allocated above, freed on drop (also on the errors
         // below).
         let mut this = Self { table };
-        let mut at = Cursor {
-            sg: this.table.sgl,
-            filled: 0,
-            cap: cap32,
-        };
+        // SAFETY: just set up; only the cursor writes it.
+        let mut at = unsafe { Cursor::new(&this.table) };
         // One compare per page that continues the run; an entry written per
         // run (this loop runs once per 64 KiB page of up to 1 GiB).
         let (mut addr, mut len) = (first, page);
@@ -283,12 +272,10 @@ impl SgTable {
                 len += page;
                 continue;
             }
-            // SAFETY: `at` walks this table's entries.
-            unsafe { at.put(addr, len) }?;
+            at.put(Segment { addr, len })?;
             (addr, len) = (a, page);
         }
-        // SAFETY: as above.
-        unsafe { at.put(addr, len) }?;
+        at.put(Segment { addr, len })?;
         this.table.nents = at.filled;
         Ok(this)
     }
@@ -296,23 +283,12 @@ impl SgTable {
     /// Fills the table's entries in order from `segs`, which must not yield
     /// more than `orig_nents`; returns how many it filled.
     fn fill(&mut self, segs: impl Iterator<Item = Segment>) -> Result<usize> {
-        let cap = self.table.orig_nents as usize;
-        let mut sg = self.table.sgl;
-        let mut filled = 0;
+        // SAFETY: `new` just set the table up; only the cursor writes it.
+        let mut at = unsafe { Cursor::new(&self.table) };
         for seg in segs {
-            if sg.is_null() || filled == cap {
-                return Err(EINVAL);
-            }
-            let len = entry_len(&seg)?;
-            // SAFETY: `sg` is one of the table's `orig_nents` entries.
-            unsafe { set_dma(sg, seg.addr, len) };
-            filled += 1;
-            if filled < cap {
-                // SAFETY: as above; not the last entry.
-                sg = unsafe { next(sg) };
-            }
+            at.put(seg)?;
         }
-        Ok(filled)
+        Ok(at.filled as usize)
     }
 
     /// Number of entries.
