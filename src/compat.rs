@@ -77,6 +77,7 @@ pub(crate) fn eopnotsupp() -> Error {
 /// `slot` must be valid, properly aligned memory for a `T`, uninitialized,
 /// which does not move until the value is dropped; on `Err` it stays
 /// uninitialized and may only be freed.
+#[inline(always)]
 pub(crate) unsafe fn init_pinned<T, E>(slot: *mut T, init: impl PinInit<T, E>) -> Result<(), E> {
     #[cfg(peermem_raw_try_init)]
     // SAFETY: as promised by the caller.

@@ -62,7 +62,7 @@ pub(crate) enum Phase {
     /// The GPU driver revoked the pages: its page table is gone (or will be as
     /// soon as the free callback returns).
     Revoked,
-    /// `release` is unpinning at the provider.
+    /// `release` is unpinning a non-persistent pin at the provider.
     Unpinning,
     /// The provider failed to unpin: the pin and its callback stay armed
     /// until the GPU driver frees the memory.
@@ -110,6 +110,10 @@ pub(crate) struct Release<R: Resources> {
     /// The registration was released in another process than the pinning
     /// one: its pin stays with the GPU driver until the free callback.
     pub(crate) orphaned: bool,
+    /// The lifecycle ended here: the pin to undo is persistent, so no free
+    /// callback can race its unpin and nothing is left to decide after it
+    /// (the caller does not report it with [`Lifecycle::unpinned`]).
+    pub(crate) ended: bool,
 }
 
 impl<R: Resources> Default for Release<R> {
@@ -118,24 +122,21 @@ impl<R: Resources> Default for Release<R> {
             map: None,
             unpin: None,
             orphaned: false,
+            ended: false,
         }
     }
 }
 
-/// How a provider unpin ended.
+/// How the unpin of a non-persistent pin ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Unpinned {
     /// Unpinned, and the callback had not run: the token is reclaimed.
     Reclaim,
     /// The callback ran first and consumed its reference: nothing to reclaim.
     Raced,
-    /// A persistent pin was unpinned (there is no callback).
-    Persistent,
     /// The unpin failed and the callback is still armed: the pin is stranded
     /// until the GPU driver frees the memory.
     Stranded,
-    /// A persistent unpin failed: the pin is lost to the client.
-    Leaked,
 }
 
 enum State<R: Resources> {
@@ -147,9 +148,9 @@ enum State<R: Resources> {
     Mapping(Pin<R>, u64),
     Mapped(Pin<R>, u64, R::Map),
     Revoked(Option<R::Map>),
-    /// `Some` while the token may still be reclaimed; `None` once the callback
-    /// consumed it (or for a persistent pin).
-    Unpinning(Option<R::Token>, bool),
+    /// A non-persistent pin being unpinned: `Some` while the token may
+    /// still be reclaimed; `None` once the callback consumed it.
+    Unpinning(Option<R::Token>),
     Stranded(R::Token),
     Orphaned(R::Table, R::Token),
     Released,
@@ -172,6 +173,24 @@ impl<R: Resources> Lifecycle<R> {
     pub(crate) const fn new() -> Self {
         Self {
             state: State::Acquired,
+        }
+    }
+
+    /// A fresh registration about to pin once it is shared (the same as
+    /// [`Lifecycle::new`] then [`Lifecycle::start_pin`]).
+    pub(crate) const fn pinning() -> Self {
+        Self {
+            state: State::Pinning,
+        }
+    }
+
+    /// A registration pinned before it was shared: a persistent pin, which
+    /// no free callback can reach, made before the object that holds this
+    /// lifecycle (the same as [`Lifecycle::start_pin`] then
+    /// [`Lifecycle::pin_succeeded`] on a fresh one).
+    pub(crate) const fn with_pin(pin: Pin<R>) -> Self {
+        Self {
+            state: State::Pinned(pin),
         }
     }
 
@@ -203,7 +222,7 @@ impl<R: Resources> Lifecycle<R> {
             | State::Bound(p, _)
             | State::Mapping(p, _)
             | State::Mapped(p, _, _) => p.token.is_some(),
-            State::Unpinning(t, _) => t.is_some(),
+            State::Unpinning(t) => t.is_some(),
             State::Stranded(_) | State::Orphaned(..) => true,
             _ => false,
         }
@@ -220,7 +239,9 @@ impl<R: Resources> Lifecycle<R> {
         core::mem::replace(&mut self.state, State::Released)
     }
 
-    /// `acquire` is about to pin.
+    /// `acquire` is about to pin (the module makes its registrations with
+    /// [`Lifecycle::pinning`] or [`Lifecycle::with_pin`] instead).
+    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
     pub(crate) fn start_pin(&mut self) -> Result<(), Refusal> {
         match self.state {
             State::Acquired => {
@@ -373,9 +394,7 @@ impl<R: Resources> Lifecycle<R> {
                 Some(p.table),
             ),
             // The unpin raced with us: it must not reclaim the token.
-            State::Unpinning(_, persistent) => {
-                (State::Unpinning(None, persistent), Invalidate::Quiet, None)
-            }
+            State::Unpinning(_) => (State::Unpinning(None), Invalidate::Quiet, None),
             State::Stranded(_) => (
                 State::Released,
                 Invalidate::Reaped { orphaned: false },
@@ -454,36 +473,46 @@ impl<R: Resources> Lifecycle<R> {
                 self.state = State::Orphaned(pin.table, token);
                 Release {
                     map,
-                    unpin: None,
                     orphaned: true,
+                    ..Release::default()
                 }
             }
-            token => {
-                let persistent = token.is_none();
-                self.state = State::Unpinning(token, persistent);
+            Some(token) => {
+                self.state = State::Unpinning(Some(token));
                 Release {
                     map,
                     unpin: Some(pin.table),
-                    orphaned: false,
+                    ..Release::default()
+                }
+            }
+            // A persistent pin has no callback, and any process may unpin
+            // it: nothing can race the unpin, and its outcome changes
+            // nothing here. The lifecycle ends now, with one lock section.
+            None => {
+                self.state = State::Released;
+                Release {
+                    map,
+                    unpin: Some(pin.table),
+                    ended: true,
+                    ..Release::default()
                 }
             }
         }
     }
 
-    /// The provider's unpin returned (`ok`: it said so). Returns the token to
-    /// reclaim, only when the unpin succeeded and the callback did not run.
+    /// The provider's unpin of a non-persistent pin returned (`ok`: it said
+    /// so). Returns the token to reclaim, only when the unpin succeeded and
+    /// the callback did not run.
     pub(crate) fn unpinned(&mut self, ok: bool) -> (Unpinned, Option<R::Token>) {
         match self.take() {
-            State::Unpinning(Some(t), _) if ok => (Unpinned::Reclaim, Some(t)),
+            State::Unpinning(Some(t)) if ok => (Unpinned::Reclaim, Some(t)),
             // A failed unpin leaves the callback armed (fact 8): keep its
             // reference where it is; the callback ends the pin later.
-            State::Unpinning(Some(t), _) => {
+            State::Unpinning(Some(t)) => {
                 self.state = State::Stranded(t);
                 (Unpinned::Stranded, None)
             }
-            State::Unpinning(None, true) if ok => (Unpinned::Persistent, None),
-            State::Unpinning(None, true) => (Unpinned::Leaked, None),
-            State::Unpinning(None, false) => (Unpinned::Raced, None),
+            State::Unpinning(None) => (Unpinned::Raced, None),
             s => {
                 self.state = s;
                 (Unpinned::Raced, None)

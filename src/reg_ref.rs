@@ -85,7 +85,7 @@ impl Drop for RegCache {
 pub(crate) struct RefCount(Atomic<u32>);
 
 impl RefCount {
-    /// One reference: its creator's ([`RegRef::new`]).
+    /// One reference: its creator's ([`Spare::init`]).
     pub(crate) const fn new() -> Self {
         Self(Atomic::new(1))
     }
@@ -109,11 +109,19 @@ unsafe impl Send for RegRef {}
 // SAFETY: as above.
 unsafe impl Sync for RegRef {}
 
-impl RegRef {
-    /// Allocates a registration from the module's cache and initializes it
-    /// with `init`, whose count must be [`RefCount::new`]: the returned
-    /// reference is the only one.
-    pub(crate) fn new(init: impl PinInit<Registration>) -> Result<Self> {
+/// An object of the module's cache, allocated but not initialized yet: a
+/// registration can claim its memory before it pins, and pin before it
+/// exists. Goes back to the cache if dropped.
+///
+/// # Invariants
+///
+/// Points to memory of the module's cache, of a [`Registration`]'s size and
+/// alignment, owned by this value and not initialized.
+pub(crate) struct Spare(NonNull<Registration>);
+
+impl Spare {
+    /// Allocates an object from the module's cache.
+    pub(crate) fn new() -> Result<Self> {
         let cache = CACHE.load(Acquire);
         if cache.is_null() {
             return Err(ENODEV);
@@ -122,13 +130,36 @@ impl RegRef {
         // cannot run while the core calls us).
         let obj = unsafe { bindings::kmem_cache_alloc_noprof(cache, bindings::GFP_KERNEL) };
         let obj = NonNull::new(obj.cast::<Registration>()).ok_or(ENOMEM)?;
-        // SAFETY: `obj` is fresh memory of the cache's exact size and
-        // alignment for a `Registration`, never moved: it is freed in place.
-        let Ok(()) = unsafe { crate::compat::init_pinned(obj.as_ptr(), init) };
-        // INVARIANT: initialized, one reference.
+        // INVARIANT: fresh memory of the cache, of the exact layout.
         Ok(Self(obj))
     }
 
+    /// Initializes the object with `init`, whose count must be
+    /// [`RefCount::new`]: the returned reference is the only one.
+    // Inlined: the initializer is then written in place, with what its
+    // caller knows (a registration is made on every `acquire`).
+    #[inline(always)]
+    pub(crate) fn init(self, init: impl PinInit<Registration>) -> RegRef {
+        let obj = self.0;
+        core::mem::forget(self);
+        // SAFETY: `obj` is memory of the cache's exact size and alignment
+        // for a `Registration`, owned by us (type invariant), never moved:
+        // it is freed in place.
+        let Ok(()) = unsafe { crate::compat::init_pinned(obj.as_ptr(), init) };
+        // INVARIANT: initialized, one reference.
+        RegRef(obj)
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        // SAFETY: memory of the module's cache, never initialized and owned
+        // by us (type invariant); the cache lives while the core calls us.
+        unsafe { bindings::kmem_cache_free(CACHE.load(Relaxed), self.0.as_ptr().cast()) };
+    }
+}
+
+impl RegRef {
     /// Hands the reference to C as an opaque pointer.
     pub(crate) fn into_raw(self) -> *mut c_void {
         let p = self.0.as_ptr();

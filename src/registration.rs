@@ -55,7 +55,8 @@ use crate::{
     },
     reg_ref::{
         RefCount,
-        RegRef, //
+        RegRef,
+        Spare, //
     },
     sg::SgSlot,
     stats::{
@@ -211,75 +212,106 @@ impl Registration {
         // (their waits use it; see `wait`).
         crate::waitq::queue().ok_or(ENODEV)?;
         let live = Liveness::new()?;
-        // Pinning starts before the object is shared (nobody else can see
-        // it yet, so no lock is needed to move it to Pinning).
-        let mut lc = Lifecycle::new();
-        lc.start_pin().map_err(|_| EINVAL)?;
-        let reg = RegRef::new(pin_init!(Self {
-            mode,
-            start: range.start,
-            granules,
-            inner <- new_reg_lock!(Inner {
-                lc,
-                pin_error: None,
-                in_core: None,
-                mapper: false,
-                waiters: 0,
-                charge: None,
-            }, c"Registration::inner"),
-            sg_slot: SgSlot::new(),
-            holds_map: Atomic::new(0),
-            refs: RefCount::new(),
-            reap_link: ReapLink::new(),
-            _live: live,
-        }))?;
-        let claimed = match Self::pin(&reg) {
-            Ok(()) => Ok(reg),
-            // The GPU driver refuses persistent pins (MIG, vGPU): the memory
-            // is its, so say why instead of the core's "Bad address".
-            Err(e) if e == compat::eopnotsupp() && mode == Mode::Persistent => {
-                kernel::pr_warn_once!("the GPU driver does not support persistent pins here (MIG or vGPU?): registrations fail with EOPNOTSUPP; load with persistent_api_support=0\n");
-                reg.inner.lock().pin_error = Some(e);
-                Ok(reg)
+        // The memory first: nothing pinned has to be undone if it fails.
+        let spare = Spare::new()?;
+        // One expansion per use: each initializer is then built in place
+        // where it is used, with what is known there.
+        macro_rules! object {
+            ($lc:expr, $pin_error:expr) => {
+                pin_init!(Self {
+                    mode,
+                    start: range.start,
+                    granules,
+                    inner <- new_reg_lock!(Inner {
+                        lc: $lc,
+                        pin_error: $pin_error,
+                        in_core: None,
+                        mapper: false,
+                        waiters: 0,
+                        charge: None,
+                    }, c"Registration::inner"),
+                    sg_slot: SgSlot::new(),
+                    holds_map: Atomic::new(0),
+                    refs: RefCount::new(),
+                    reap_link: ReapLink::new(),
+                    _live: live,
+                })
+            };
+        }
+        let reg = match mode {
+            Mode::Invalidating => {
+                // Pinning starts before the object is shared (nobody else
+                // can see it yet, so no lock is needed to move it there).
+                let reg = spare.init(object!(Lifecycle::pinning(), None));
+                if let Err(e) = Self::pin(&reg) {
+                    let e = Self::pin_refused(e, mode, &range)?;
+                    reg.inner.lock().pin_error = Some(e);
+                }
+                reg
             }
-            // Not GPU memory, or not this process's: not ours.
-            Err(e) if e == EINVAL || e == compat::eopnotsupp() || e == EFAULT => Err(e),
-            // The GPU driver's memory, which it cannot pin now: ours, failing.
-            Err(e) => {
-                reg.inner.lock().pin_error = Some(e);
-                Ok(reg)
-            }
+            // A persistent pin has no free callback: nothing but this call
+            // can touch it, so it is made before the object exists and
+            // recorded without a lock.
+            Mode::Persistent => match p2p::get_pages_persistent(&range) {
+                Ok(table) => {
+                    STATS.pinned_bytes.add(range.len, Relaxed);
+                    let pin = Pin {
+                        table,
+                        token: None,
+                        owner: compat::current_tgid(),
+                    };
+                    spare.init(object!(Lifecycle::with_pin(pin), None))
+                }
+                Err(e) => {
+                    let e = Self::pin_refused(e, mode, &range)?;
+                    spare.init(object!(Lifecycle::new(), Some(e)))
+                }
+            },
         };
         // The core holds it from now until `release`; counted by the caller
         // (`acquired`; live registrations are `acquired - releases`).
-        claimed
+        Ok(reg)
     }
 
-    /// Pins the range; the lifecycle is in Pinning already (see `acquire`).
+    /// The provider refused to pin `range` with `e`: `Err` when the range is
+    /// not the GPU driver's to pin (not ours), else the error `get_pages`
+    /// reports for memory that is the GPU driver's.
+    fn pin_refused(e: Error, mode: Mode, range: &GpuRange) -> Result<Error> {
+        reg_dbg!(
+            "acquire {:#x}+{:#x}: declined ({e:?})",
+            range.start,
+            range.len
+        );
+        match e {
+            // The GPU driver refuses persistent pins (MIG, vGPU): the memory
+            // is its, so say why instead of the core's "Bad address".
+            e if e == compat::eopnotsupp() && mode == Mode::Persistent => {
+                kernel::pr_warn_once!("the GPU driver does not support persistent pins here (MIG or vGPU?): registrations fail with EOPNOTSUPP; load with persistent_api_support=0\n");
+                Ok(e)
+            }
+            // Not GPU memory, or not this process's (or freed while
+            // pinning): not ours.
+            e if e == EINVAL || e == compat::eopnotsupp() || e == EFAULT => Err(e),
+            // The GPU driver's memory, which it cannot pin now: ours, failing.
+            e => Ok(e),
+        }
+    }
+
+    /// Pins the range with a free callback; the lifecycle is in Pinning
+    /// already (see `acquire`). The callback can run as soon as the provider
+    /// armed it, so the outcome is recorded under the lock.
     fn pin(this: &RegRef) -> Result {
         let owner = compat::current_tgid();
-        let pinned = match this.mode {
-            Mode::Persistent => p2p::get_pages_persistent(&this.range()).map(|table| Pin {
-                table,
-                token: None,
-                owner,
-            }),
-            Mode::Invalidating => p2p::get_pages(&this.range(), this).map(|(table, cb)| Pin {
-                table,
-                token: Some(cb),
-                owner,
-            }),
-        };
+        let pinned = p2p::get_pages(&this.range(), this).map(|(table, cb)| Pin {
+            table,
+            token: Some(cb),
+            owner,
+        });
         let this: &Self = this;
         let pin = match pinned {
             Ok(p) => p,
             Err(e) => {
                 this.inner.lock().lc.pin_failed();
-                reg_dbg!(
-                    "acquire {:#x}+{:#x}: declined ({e:?})",
-                    this.range().start,
-                    this.range().len
-                );
                 return Err(e);
             }
         };
@@ -529,13 +561,17 @@ impl Registration {
     /// `release`'s work, under the core's reference.
     fn release_held(&self) {
         let (me, tgid) = compat::current_ids();
-        let r = {
+        let (r, charge) = {
             let mut g = self.inner.lock();
             while g.in_core.is_some_and(|t| t != me) {
                 self.wait(&mut g);
             }
             self.holds_map.store(0, Relaxed);
-            g.lc.release(tgid)
+            let r = g.lc.release(tgid);
+            // A persistent pin's life ends here, and its count with it
+            // (released once the unpin returned).
+            let charge = if r.ended { g.charge.take() } else { None };
+            (r, charge)
         };
         drop(r.map);
         if r.orphaned {
@@ -547,8 +583,10 @@ impl Registration {
                 self.range().len
             );
         }
-        if let Some(table) = r.unpin {
-            self.unpin(table);
+        match r.unpin {
+            Some(table) if r.ended => self.unpin_persistent(table, charge),
+            Some(table) => self.unpin(table),
+            None => (),
         }
         STATS.releases.add(1, Relaxed);
     }
@@ -579,17 +617,37 @@ impl Registration {
         }
     }
 
-    /// Unpins at the provider and settles the callback's reference.
+    /// Unpins a persistent pin, whose lifecycle already ended, and releases
+    /// its count.
+    fn unpin_persistent(&self, table: PageTable, charge: Option<Charge>) {
+        // SAFETY: a persistent pin made by `acquire` for `self.range` (the
+        // lifecycle ends with `ended` only for a pin without a callback's
+        // token, which only `get_pages_persistent` gives), handed out once.
+        let res = unsafe { table.put_persistent(&self.range()) };
+        if let Some(c) = charge {
+            c.release(self.range().len);
+        }
+        STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
+        if let Err(e) = res {
+            STATS.leaked_pins.add(1, Relaxed);
+            fail!(
+                Cause::Unpin,
+                e,
+                "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
+                self.range().start,
+                self.range().len
+            );
+        }
+    }
+
+    /// Unpins a non-persistent pin at the provider and settles the
+    /// callback's reference.
     fn unpin(&self, table: PageTable) {
-        // SAFETY: pinned by `pin` for `self.range` in this mode and handed out
-        // once by the lifecycle, which hands a non-persistent table out only
-        // to the pinning process.
-        let res = unsafe {
-            match self.mode {
-                Mode::Persistent => table.put_persistent(&self.range()),
-                Mode::Invalidating => table.put(&self.range()),
-            }
-        };
+        // SAFETY: pinned by `pin` for `self.range` with a callback (the
+        // lifecycle hands a table out without `ended` only for a pin with a
+        // callback's token, which only `get_pages` gives), handed out once,
+        // and only to the pinning process.
+        let res = unsafe { table.put(&self.range()) };
         let (how, token, charge) = {
             let mut g = self.inner.lock();
             let (how, token) = g.lc.unpinned(res.is_ok());
@@ -606,11 +664,9 @@ impl Registration {
         }
         let err = res.err().unwrap_or(EIO);
         match how {
-            Unpinned::Reclaim | Unpinned::Persistent => {
-                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
-            }
-            // The callback ended the pin first; it had no table to count.
-            Unpinned::Raced => {
+            // Raced: the callback ended the pin first; it had no table to
+            // count.
+            Unpinned::Reclaim | Unpinned::Raced => {
                 STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
             }
             Unpinned::Stranded => {
@@ -619,17 +675,6 @@ impl Registration {
                     Cause::Unpin,
                     err,
                     "nvidia_p2p_put_pages failed for {:#x}+{:#x}: the pin stays until the GPU memory is freed",
-                    self.range().start,
-                    self.range().len
-                );
-            }
-            Unpinned::Leaked => {
-                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
-                STATS.leaked_pins.add(1, Relaxed);
-                fail!(
-                    Cause::Unpin,
-                    err,
-                    "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
                     self.range().start,
                     self.range().len
                 );

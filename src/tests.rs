@@ -265,27 +265,61 @@ mod lifecycle_tests {
         // another process, which may unpin a persistent pin.
         assert_eq!(l.start_map(), Ok(&TABLE));
         assert_eq!(l.map_succeeded(MAP + 1), Ok(()));
+        // The release ends the lifecycle at once: no callback can race a
+        // persistent unpin.
         let r = l.release(OTHER);
         assert_eq!(r.map, Some(MAP + 1));
         assert_eq!(r.unpin, Some(TABLE));
         assert!(!r.orphaned);
-        assert_eq!(l.phase(), Phase::Unpinning);
+        assert!(r.ended);
+        assert_eq!(l.phase(), Phase::Released);
+        assert!(!l.callback_armed());
+        // Nothing is left to report or to hand out again.
         let (how, tok) = l.unpinned(true);
-        assert_eq!(how, Unpinned::Persistent);
+        assert_eq!(how, Unpinned::Raced);
         assert!(tok.is_none());
+        let r = l.release(OWNER);
+        assert!(r.map.is_none() && r.unpin.is_none() && !r.ended);
         assert_eq!(l.phase(), Phase::Released);
         assert_eq!(DROPS.load(Relaxed), 0);
     }
 
     #[test]
-    fn persistent_failed_unpin_is_leaked() {
+    fn a_lifecycle_made_pinning_or_pinned_is_as_if_started() {
         static DROPS: Atomic<usize> = Atomic::new(0);
-        let mut l = bound(true, &DROPS);
-        assert_eq!(l.release(OWNER).unpin, Some(TABLE));
-        let (how, tok) = l.unpinned(false);
-        assert_eq!(how, Unpinned::Leaked);
-        assert!(tok.is_none());
-        assert_eq!(l.phase(), Phase::Released);
+        let mut made = Lc::with_pin(pin(true, &DROPS));
+        let mut l = Lc::new();
+        assert_eq!(l.start_pin(), Ok(()));
+        assert!(l.pin_succeeded(pin(true, &DROPS)).is_ok());
+        for l in [&mut made, &mut l] {
+            assert_eq!(l.phase(), Phase::Pinned);
+            assert_eq!(l.owner(), Some(OWNER));
+            assert!(!l.callback_armed());
+            assert_eq!(l.pinned_table(), Ok(&TABLE));
+            assert_eq!(l.bind(CTX), Ok(()));
+        }
+        assert_eq!(DROPS.load(Relaxed), 0);
+        // Made in Pinning: the same as started.
+        let mut made = Lc::pinning();
+        let mut l = Lc::new();
+        assert_eq!(l.start_pin(), Ok(()));
+        for l in [&mut made, &mut l] {
+            assert_eq!(l.phase(), Phase::Pinning);
+            assert_eq!(l.start_pin(), Err(Refusal::Forbidden(Phase::Pinning)));
+            assert!(l.pin_succeeded(pin(false, &DROPS)).is_ok());
+            assert!(l.callback_armed());
+        }
+    }
+
+    #[test]
+    fn a_non_persistent_release_leaves_the_unpin_to_report() {
+        static DROPS: Atomic<usize> = Atomic::new(0);
+        let mut l = bound(false, &DROPS);
+        let r = l.release(OWNER);
+        assert_eq!(r.unpin, Some(TABLE));
+        assert!(!r.ended);
+        assert_eq!(l.phase(), Phase::Unpinning);
+        assert!(l.callback_armed());
     }
 
     #[test]
@@ -530,8 +564,11 @@ mod lifecycle_tests {
         static DROPS: Atomic<usize> = Atomic::new(0);
         for persistent in [false, true] {
             let mut l = mapped(persistent, &DROPS);
-            let _ = l.release(OWNER);
-            let _ = l.unpinned(true);
+            let r = l.release(OWNER);
+            assert_eq!(r.ended, persistent);
+            if !persistent {
+                let _ = l.unpinned(true);
+            }
             assert_eq!(l.phase(), Phase::Released);
             let gone = Refusal::Forbidden(Phase::Released);
             assert_eq!(l.start_pin(), Err(gone));
@@ -609,7 +646,7 @@ mod lifecycle_tests {
                 let _ = l.start_map();
                 let _ = l.map_succeeded(MAP);
             }
-            Phase::Unpinning => {
+            Phase::Unpinning if !persistent => {
                 let _ = l.release(OWNER);
             }
             Phase::Revoked if !persistent => {
@@ -766,8 +803,11 @@ mod lifecycle_tests {
                     assert_eq!(r.map, if mapped { Some(MAP) } else { None });
                     assert_eq!(r.unpin, if pinned && !orphan { Some(TABLE) } else { None });
                     assert_eq!(r.orphaned, orphan);
+                    // A persistent pin's lifecycle ends with its release.
+                    assert_eq!(r.ended, pinned && persistent);
                     let next = match p {
                         _ if orphan => Phase::Orphaned,
+                        _ if pinned && persistent => Phase::Released,
                         _ if pinned => Phase::Unpinning,
                         Phase::Acquired | Phase::Revoked | Phase::Released => Phase::Released,
                         _ => p,
@@ -785,12 +825,12 @@ mod lifecycle_tests {
                     let before = drops();
                     let (how, tok) = l.unpinned(ok);
                     let unpinning = p == Phase::Unpinning;
-                    let (want, next) = match (unpinning, persistent, ok) {
-                        (false, _, _) => (Unpinned::Raced, p),
-                        (true, true, true) => (Unpinned::Persistent, Phase::Released),
-                        (true, true, false) => (Unpinned::Leaked, Phase::Released),
-                        (true, false, true) => (Unpinned::Reclaim, Phase::Released),
-                        (true, false, false) => (Unpinned::Stranded, Phase::Stranded),
+                    // Only a non-persistent pin is ever in Unpinning.
+                    assert!(!(unpinning && persistent));
+                    let (want, next) = match (unpinning, ok) {
+                        (false, _) => (Unpinned::Raced, p),
+                        (true, true) => (Unpinned::Reclaim, Phase::Released),
+                        (true, false) => (Unpinned::Stranded, Phase::Stranded),
                     };
                     assert_eq!(how, want);
                     let reclaimed = want == Unpinned::Reclaim;

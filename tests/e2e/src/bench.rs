@@ -405,7 +405,7 @@ pub fn register_loop(size: u64, count: u64, mode: &str) -> Result<(), String> {
     }
     if timed {
         println!(
-            "LOOP {mode} {size}: own time register {:.2} us, deregister {:.2} us (medians of {count})",
+            "LOOP {mode} {size}: own time register {:.3} us, deregister {:.3} us (medians of {count})",
             median(&mut reg_own),
             median(&mut dereg_own)
         );

@@ -163,7 +163,9 @@ mod lifecycle_tests {
     enum Call {
         Pin(Option<Pin<H>>),
         Map(u32),
-        Unpin(u32),
+        /// The table, and whether the lifecycle ended with the release
+        /// (persistent pins: the unpin is not reported back).
+        Unpin(u32, bool),
     }
 
     /// The GPU driver's record of one pin.
@@ -332,11 +334,16 @@ mod lifecycle_tests {
                         // on a freed table is a use after free (fact 9).
                         assert!(self.persistent || !foreign, "unpin from another process");
                         assert!(!self.persistent || !rec.table_freed);
-                        self.call = Some(Call::Unpin(t));
+                        // Only a persistent pin's release ends the lifecycle.
+                        assert_eq!(r.ended, self.persistent);
+                        if r.ended {
+                            assert_eq!(self.lc.phase(), Phase::Released);
+                        }
+                        self.call = Some(Call::Unpin(t, r.ended));
                     }
                 }
                 Op::UnpinReturns { ok } => match self.call.take() {
-                    Some(Call::Unpin(t)) => {
+                    Some(Call::Unpin(t, ended)) => {
                         let persistent = self.persistent;
                         let rec = self.pins.get_mut(&t).unwrap();
                         if ok && rec.linked {
@@ -346,6 +353,13 @@ mod lifecycle_tests {
                         }
                         if persistent && !ok {
                             rec.leaked = true;
+                        }
+                        if ended {
+                            // Nothing to report: the lifecycle has ended,
+                            // whatever the unpin did.
+                            assert_eq!(self.lc.phase(), Phase::Released);
+                            self.check();
+                            return;
                         }
                         let (how, tok) = self.lc.unpinned(ok);
                         if let Some(tok) = tok {
@@ -361,8 +375,6 @@ mod lifecycle_tests {
                             Unpinned::Reclaim => assert!(rec.reclaimed),
                             Unpinned::Raced => assert!(rec.fired),
                             Unpinned::Stranded => assert!(!ok && !persistent && rec.linked),
-                            Unpinned::Persistent => assert!(ok && persistent),
-                            Unpinned::Leaked => assert!(!ok && persistent),
                         }
                     }
                     c => self.call = c,

@@ -433,8 +433,13 @@ impl Reg {
             g.lc.release(as_tgid)
         };
         drop(r.map);
-        if let Some(table) = r.unpin {
-            this.unpin(table, tgid);
+        match r.unpin {
+            // A persistent pin: the lifecycle ended with the release.
+            Some(_) if r.ended => {
+                let _ = this.provider.put_pages(tgid);
+            }
+            Some(table) => this.unpin(table, tgid),
+            None => (),
         }
     }
 
