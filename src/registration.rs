@@ -560,7 +560,14 @@ impl Registration {
 
     /// `release`'s work, under the core's reference.
     fn release_held(&self) {
-        let (me, tgid) = compat::current_ids();
+        let (me, tgid) = match self.mode {
+            Mode::Invalidating => compat::current_ids(),
+            // No free callback is ever inside the core for a persistent
+            // registration, and any process may unpin it: its release needs
+            // neither id (`me` matches no thread in `in_core`, which stays
+            // empty).
+            Mode::Persistent => (NonZeroU32::MAX, 0),
+        };
         let (r, charge) = {
             let mut g = self.inner.lock();
             while g.in_core.is_some_and(|t| t != me) {
