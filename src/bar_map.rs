@@ -134,6 +134,19 @@ pub(crate) unsafe fn map(
     }
     let n = pages.len();
     let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
+    if n == 1 {
+        // One page is one run (a page is never longer than a segment may
+        // be): no scan.
+        let run = Segment {
+            addr: pages.physical_address(0).ok_or(EINVAL)?,
+            len: GPU_PAGE_SIZE,
+        };
+        // SAFETY: BAR memory of the caller's pinned table, pinned as said
+        // in `place`; the slot is this mapping's (caller).
+        let (seg, own) = unsafe { place(dev, run, window) }?;
+        // SAFETY: the slot is this mapping's (caller).
+        return unsafe { one_run(slot, seg, own) };
+    }
     // One pass: each run is mapped as soon as it is found; a page
     // without an address fails the whole mapping.
     let missing = core::cell::Cell::new(false);
@@ -152,22 +165,11 @@ pub(crate) unsafe fn map(
         if missing.get() {
             return Err(EINVAL);
         }
-        let (seg, own) = match window.and_then(|w| w.segment(run)) {
-            Some(seg) => {
-                in_window = true;
-                (seg, None)
-            }
-            // The run stays pinned until its mapping is undone: the unpin
-            // comes after `dma_unmap`/`release` dropped it, and a free
-            // callback drops it before it returns (`take_device_access`). On
-            // a later failure the locals drop and unmap what was mapped.
-            None => {
-                // SAFETY: BAR memory of the caller's pinned table, every page
-                // with an address (checked above), pinned as said above.
-                let iova = unsafe { RunIova::map(dev, run) }?;
-                (iova.segment(), Some(iova))
-            }
-        };
+        // SAFETY: BAR memory of the caller's pinned table, every page with
+        // an address (checked above), pinned as said in `place`. On a later
+        // failure the locals drop and unmap what was mapped.
+        let (seg, own) = unsafe { place(dev, run, window) }?;
+        in_window |= own.is_none();
         if let Some(f) = first.take() {
             let mut v = (KVec::new(), KVec::new());
             push_run(&mut v, f)?;
@@ -181,35 +183,71 @@ pub(crate) unsafe fn map(
     if missing.get() {
         return Err(EINVAL);
     }
-    let map = if let Some((seg, own)) = first {
+    if let Some((seg, own)) = first {
         // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(seg) }?;
-        // INVARIANT: the slot's entry is this run's.
-        match own {
-            Some(run) => DeviceMap::BarRun(Some(run)),
-            None => DeviceMap::Window,
-        }
-    } else {
-        // No page at all.
-        let Some((segs, iovas)) = more else {
-            return Err(EINVAL);
-        };
-        // SAFETY: as promised by the caller.
-        let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
-        // INVARIANT: the scatterlist was built from exactly these runs, those
-        // outside the window mapped by `iovas`.
-        DeviceMap::Bar(KBox::new(
-            BarMap {
-                sg,
-                iovas: Some(iovas),
-            },
-            GFP_KERNEL,
-        )?)
+        return unsafe { one_run(slot, seg, own) };
+    }
+    // No page at all.
+    let Some((segs, iovas)) = more else {
+        return Err(EINVAL);
     };
+    // SAFETY: as promised by the caller.
+    let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
+    // INVARIANT: the scatterlist was built from exactly these runs, those
+    // outside the window mapped by `iovas`.
+    let map = DeviceMap::Bar(KBox::new(
+        BarMap {
+            sg,
+            iovas: Some(iovas),
+        },
+        GFP_KERNEL,
+    )?);
     if in_window {
         STATS.window_maps.add(1, Relaxed);
     }
     Ok(map)
+}
+
+/// Where the device reaches the BAR bytes `run`: inside `window`, or through
+/// a mapping of its own, made here.
+///
+/// # Safety
+///
+/// `run` must be BAR memory of a pinned table, every page with an address,
+/// which stays pinned until the returned mapping is dropped: the unpin comes
+/// after `dma_unmap`/`release` dropped it, and a free callback drops it
+/// before it returns (`take_device_access`). `dev` must be a device the core
+/// keeps alive as long.
+unsafe fn place(
+    dev: NonNull<device>,
+    run: Segment,
+    window: Option<Window>,
+) -> Result<(Segment, Option<RunIova>)> {
+    if let Some(seg) = window.and_then(|w| w.segment(run)) {
+        return Ok((seg, None));
+    }
+    // SAFETY: as promised by the caller.
+    let iova = unsafe { RunIova::map(dev, run) }?;
+    Ok((iova.segment(), Some(iova)))
+}
+
+/// The map of a registration that is one run, placed at `seg` (inside the
+/// window without `own`): its entry in `slot`.
+///
+/// # Safety
+///
+/// As for [`map`]: `slot` is the registration's, used by this map only.
+unsafe fn one_run(slot: &SgSlot, seg: Segment, own: Option<RunIova>) -> Result<DeviceMap> {
+    // SAFETY: the slot is this mapping's (caller).
+    unsafe { slot.fill(seg) }?;
+    // INVARIANT: the slot's entry is this run's.
+    Ok(match own {
+        Some(run) => DeviceMap::BarRun(Some(run)),
+        None => {
+            STATS.window_maps.add(1, Relaxed);
+            DeviceMap::Window
+        }
+    })
 }
 
 /// Adds a run, with its own mapping if it has one, to the runs of a

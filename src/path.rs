@@ -35,9 +35,14 @@ impl Class {
 
     /// The class of a stored level (1 = PIX ... 5 = SYS).
     pub(crate) fn from_level(level: u32) -> Option<Self> {
-        [Class::Pix, Class::Pxb, Class::Phb, Class::Node, Class::Sys]
-            .into_iter()
-            .find(|c| *c as u32 == level)
+        match level {
+            1 => Some(Class::Pix),
+            2 => Some(Class::Pxb),
+            3 => Some(Class::Phb),
+            4 => Some(Class::Node),
+            5 => Some(Class::Sys),
+            _ => None,
+        }
     }
 
     /// Whether peer traffic crosses the root complex (worth a warning).

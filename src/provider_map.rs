@@ -11,7 +11,10 @@ use kernel::{
 };
 
 use crate::{
-    coalesce::Coalescer,
+    coalesce::{
+        Coalescer,
+        Segment, //
+    },
     compat,
     device_map::DeviceMap,
     p2p::{
@@ -129,9 +132,17 @@ pub(crate) unsafe fn map(
         None => return Err(EINVAL),
     };
     let max_seg = peer.max_segment();
-    let first = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
-        .next()
-        .ok_or(EINVAL)?;
+    let first = match *addrs {
+        // One page is one segment (a page is never longer than a segment
+        // may be): no scan.
+        [addr] => Segment {
+            addr,
+            len: GPU_PAGE_SIZE,
+        },
+        _ => Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
+            .next()
+            .ok_or(EINVAL)?,
+    };
     // Pages after the first segment: each starts at most one more segment.
     let rest = addrs.len() - (first.len / GPU_PAGE_SIZE) as usize;
     if rest == 0 {
