@@ -1434,6 +1434,45 @@ static struct pci_driver emu_driver = {
 	.remove = emu_remove,
 };
 
+/*
+ * Test cleanup: ends the persistent pins of memory its owner has freed,
+ * which their client gave up after a failed nvidia_p2p_put_pages_persistent
+ * (nvidia.ko keeps such a pin, and the memory's BAR1 space, until it
+ * unloads). Any write does it.
+ */
+static ssize_t lost_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	struct emu_alloc *a, *atmp;
+	struct emu_table *t, *tmp;
+	int err = rm_enter("reclaim_lost_pins");
+
+	if (err)
+		return err;
+	list_for_each_entry_safe(a, atmp, &allocs, node) {
+		int left = a->persistent_pins;
+
+		if (!a->freed)
+			continue;
+		list_for_each_entry_safe(t, tmp, &a->tables, node) {
+			if (!t->persistent || left <= 0)
+				continue;
+			/* The last one may free @a: nothing of it is used after. */
+			if (--left == 0) {
+				unpin(t);
+				break;
+			}
+			unpin(t);
+		}
+	}
+	rm_unlock();
+	return n;
+}
+
+static const struct file_operations lost_fops = {
+	.owner = THIS_MODULE,
+	.write = lost_write,
+};
+
 static int __init emu_init(void)
 {
 	int err, i;
@@ -1462,6 +1501,7 @@ static int __init emu_init(void)
 	debugfs_create_u32("deferred_teardown_ms", 0600, dbg_dir, &deferred_teardown_ms);
 	debugfs_create_u32("reuse_tables", 0600, dbg_dir, &reuse_tables);
 	debugfs_create_file("topo_deny", 0600, dbg_dir, NULL, &topo_fops);
+	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);
 	pr_info("%d emulated GPU(s), page table version %#x\n", ngpus, page_table_version);

@@ -354,6 +354,51 @@ pub fn dma_unmap_failure(ctx: &mut Ctx) -> Result<String, String> {
     Ok("dma_unmap failed with EIO; unpin freed the rest".into())
 }
 
+/// A failing nvidia_p2p_put_pages_persistent: the GPU driver keeps the pin,
+/// which the client has lost (counted and logged), and every count the
+/// registration held is returned all the same. The harness then ends the lost
+/// pin, as unloading nvidia.ko would.
+pub fn persistent_unpin_failure(ctx: &mut Ctx) -> Result<String, String> {
+    let gi0 = ctx.gpu().info();
+    let (f0, l0, p0) = (
+        stat("fail_unpin"),
+        stat("leaked_pins"),
+        stat("pinned_bytes"),
+    );
+    let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    // A CQ/QP umem: persistent in every mode.
+    let h = ctx.core.reg(a.va, M, 0).map_err(errno_name)?;
+    module::inject("put_pages_persistent", 1, libc::EIO)?;
+    let r = ctx.core.dereg(h);
+    module::inject("put_pages_persistent", 0, libc::EIO)?;
+    r.map_err(errno_name)?;
+    let gi1 = ctx.gpu().info();
+    ensure!(
+        gi1.failed_unpins == gi0.failed_unpins + 1,
+        "no unpin failed"
+    );
+    ensure!(
+        gi1.live_tables == gi0.live_tables + 1,
+        "the failed unpin freed the table"
+    );
+    if ours(ctx) {
+        ensure!(stat("fail_unpin") == f0 + 1, "unpin failure not reported");
+        ensure!(stat("leaked_pins") == l0 + 1, "the lost pin not counted");
+        ensure!(
+            stat("pinned_bytes") == p0,
+            "pinned bytes still counted: {} (before: {p0})",
+            stat("pinned_bytes")
+        );
+    }
+    a.unmap();
+    module::debugfs_write("/sys/kernel/debug/nv_p2p_emu/reclaim_lost_pins", "1")?;
+    ensure!(
+        ctx.gpu().info().live_tables == gi0.live_tables,
+        "the lost pin was not ended"
+    );
+    Ok("put_pages_persistent failed with EIO; the pin was counted as lost".into())
+}
+
 /// cudaFree racing ibv_reg_mr while the core holds the mapping lock: between
 /// get_pages and dma_map, and in the activation window after dma_map (mlx5
 /// creating its mkey), optionally failing the activation. The free callback

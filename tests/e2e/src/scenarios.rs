@@ -176,6 +176,11 @@ pub const ALL: &[Scenario] = &[
         run: hostile::dma_unmap_failure,
     },
     Scenario {
+        name: "persistent_unpin_failure",
+        applies: always,
+        run: hostile::persistent_unpin_failure,
+    },
+    Scenario {
         name: "memlock_charged_before_clients",
         applies: always,
         run: hostile::memlock_charged_first,
