@@ -560,21 +560,19 @@ impl Registration {
 
     /// `release`'s work, under the core's reference.
     fn release_held(&self) {
-        let (me, tgid) = match self.mode {
-            Mode::Invalidating => compat::current_ids(),
-            // No free callback is ever inside the core for a persistent
-            // registration, and any process may unpin it: its release needs
-            // neither id (`me` matches no thread in `in_core`, which stays
-            // empty).
-            Mode::Persistent => (NonZeroU32::MAX, 0),
-        };
+        // No free callback is ever inside the core for a persistent
+        // registration, and any process may unpin it: its release needs
+        // neither the thread's nor the process's id.
+        let ids = (self.mode == Mode::Invalidating).then(compat::current_ids);
         let (r, charge) = {
             let mut g = self.inner.lock();
-            while g.in_core.is_some_and(|t| t != me) {
-                self.wait(&mut g);
+            if let Some((me, _)) = ids {
+                while g.in_core.is_some_and(|t| t != me) {
+                    self.wait(&mut g);
+                }
             }
             self.holds_map.store(0, Relaxed);
-            let r = g.lc.release(tgid);
+            let r = g.lc.release(ids.map_or(0, |(_, tgid)| tgid));
             // A persistent pin's life ends here, and its count with it
             // (released once the unpin returned).
             let charge = if r.ended { g.charge.take() } else { None };

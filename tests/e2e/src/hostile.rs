@@ -290,6 +290,15 @@ pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
     Ok(out.join(", "))
 }
 
+/// Deregisters `h` while the GPU driver's `func` fails once with EIO (the
+/// deregistration itself must still succeed).
+fn dereg_with_failing(ctx: &mut Ctx, h: u64, func: &str) -> Result<(), String> {
+    module::inject(func, 1, libc::EIO)?;
+    let r = ctx.core.dereg(h);
+    module::inject(func, 0, libc::EIO)?;
+    r.map_err(errno_name)
+}
+
 /// A failed unpin (fact 8) leaves the pin and its callback armed; the later
 /// free must find the registration alive, and the pin must be reported.
 pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
@@ -300,10 +309,7 @@ pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
         .core
         .reg(a.va, M, PMC_REG_INVAL_SUPP)
         .map_err(errno_name)?;
-    module::inject("put_pages", 1, libc::EIO)?;
-    let r = ctx.core.dereg(h);
-    module::inject("put_pages", 0, libc::EIO)?;
-    r.map_err(errno_name)?;
+    dereg_with_failing(ctx, h, "put_pages")?;
     let gi1 = ctx.gpu().info();
     ensure!(
         gi1.failed_unpins == gi0.failed_unpins + 1,
@@ -340,10 +346,7 @@ pub fn dma_unmap_failure(ctx: &mut Ctx) -> Result<String, String> {
     // A CQ/QP umem: persistent in every mode.
     let h = ctx.core.reg(a.va, M, 0).map_err(errno_name)?;
     let f0 = stat("fail_unpin");
-    module::inject("dma_unmap_pages", 1, libc::EIO)?;
-    let r = ctx.core.dereg(h);
-    module::inject("dma_unmap_pages", 0, libc::EIO)?;
-    r.map_err(errno_name)?;
+    dereg_with_failing(ctx, h, "dma_unmap_pages")?;
     if ours(ctx) {
         ensure!(
             stat("fail_unpin") == f0 + 1,
@@ -368,10 +371,7 @@ pub fn persistent_unpin_failure(ctx: &mut Ctx) -> Result<String, String> {
     let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     // A CQ/QP umem: persistent in every mode.
     let h = ctx.core.reg(a.va, M, 0).map_err(errno_name)?;
-    module::inject("put_pages_persistent", 1, libc::EIO)?;
-    let r = ctx.core.dereg(h);
-    module::inject("put_pages_persistent", 0, libc::EIO)?;
-    r.map_err(errno_name)?;
+    dereg_with_failing(ctx, h, "put_pages_persistent")?;
     let gi1 = ctx.gpu().info();
     ensure!(
         gi1.failed_unpins == gi0.failed_unpins + 1,
@@ -620,10 +620,7 @@ pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
             .core
             .reg(a.va, M, PMC_REG_INVAL_SUPP)
             .map_err(errno_name)?;
-        module::inject("put_pages", 1, libc::EIO)?;
-        let r = ctx.core.dereg(h);
-        module::inject("put_pages", 0, libc::EIO)?;
-        r.map_err(errno_name)?;
+        dereg_with_failing(ctx, h, "put_pages")?;
         ensure!(stat("stranded_pins") == 1, "round {i}: pin not stranded");
         let (tx, rx) = mpsc::channel();
         let (armed_tx, armed_rx) = mpsc::channel();
