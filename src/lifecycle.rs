@@ -139,76 +139,112 @@ pub(crate) enum Unpinned {
     Stranded,
 }
 
-enum State<R: Resources> {
-    Acquired,
-    Pinning,
-    Pinned(Pin<R>),
-    Unusable(Pin<R>),
-    Bound(Pin<R>, u64),
-    Mapping(Pin<R>, u64),
-    Mapped(Pin<R>, u64, R::Map),
-    Revoked(Option<R::Map>),
-    /// A non-persistent pin being unpinned: `Some` while the token may
-    /// still be reclaimed; `None` once the callback consumed it.
-    Unpinning(Option<R::Token>),
-    Stranded(R::Token),
-    Orphaned(R::Table, R::Token),
-    Released,
-}
-
 /// The state machine of one registration.
+///
+/// The phase is a tag; the objects sit beside it, each in its own field, so
+/// that a transition writes the tag and moves only the object it hands out
+/// or takes in (a state enum carrying them would move all of them on every
+/// transition).
 ///
 /// # Invariants
 ///
+/// Which objects the lifecycle holds is a function of its phase (a pin's
+/// token is held when the pin has one, i.e. it is not persistent):
+///
+/// | phase                       | table | token     | core id | map   |
+/// |-----------------------------|-------|-----------|---------|-------|
+/// | Acquired, Pinning, Released | –     | –         | –       | –     |
+/// | Unpinning                   | –     | maybe     | –       | –     |
+/// | Pinned, Unusable            | yes   | the pin's | –       | –     |
+/// | Bound, Mapping              | yes   | the pin's | yes     | –     |
+/// | Mapped                      | yes   | the pin's | yes     | yes   |
+/// | Revoked                     | –     | –         | –       | maybe |
+/// | Stranded                    | –     | yes       | –       | –     |
+/// | Orphaned                    | yes   | yes       | –       | –     |
+///
 /// Every provider object of the registration is owned by exactly one place:
-/// the current state, or the caller a transition handed it to. A token leaves
-/// the state only to be reclaimed after an unpin the callback did not race,
-/// or to be dropped when the callback consumes its reference.
+/// these fields, or the caller a transition handed it to. A token leaves
+/// the lifecycle only to be reclaimed after an unpin the callback did not
+/// race, or to be dropped when the callback consumes its reference.
+/// [`Lifecycle::consistent`] checks the table (the KUnit suites and the host
+/// model checker call it after every transition).
 pub(crate) struct Lifecycle<R: Resources> {
-    state: State<R>,
+    phase: Phase,
+    /// The armed callback's reference (see the table above).
+    token: Option<R::Token>,
+    /// The process that pinned, while the table is held.
+    owner: u32,
+    /// The core's id of the registration, from Bound to Mapped.
+    core: u64,
+    table: Option<R::Table>,
+    map: Option<R::Map>,
 }
 
 impl<R: Resources> Lifecycle<R> {
+    const fn empty(phase: Phase) -> Self {
+        Self {
+            phase,
+            token: None,
+            owner: 0,
+            core: 0,
+            table: None,
+            map: None,
+        }
+    }
+
     /// A freshly acquired registration.
     pub(crate) const fn new() -> Self {
-        Self {
-            state: State::Acquired,
-        }
+        Self::empty(Phase::Acquired)
     }
 
     /// A fresh registration about to pin once it is shared (the same as
     /// [`Lifecycle::new`] then [`Lifecycle::start_pin`]).
     pub(crate) const fn pinning() -> Self {
-        Self {
-            state: State::Pinning,
-        }
+        Self::empty(Phase::Pinning)
     }
 
     /// A registration pinned before it was shared: a persistent pin, which
     /// no free callback can reach, made before the object that holds this
     /// lifecycle (the same as [`Lifecycle::start_pin`] then
     /// [`Lifecycle::pin_succeeded`] on a fresh one).
-    pub(crate) const fn with_pin(pin: Pin<R>) -> Self {
+    pub(crate) fn with_pin(pin: Pin<R>) -> Self {
         Self {
-            state: State::Pinned(pin),
+            phase: Phase::Pinned,
+            token: pin.token,
+            owner: pin.owner,
+            core: 0,
+            table: Some(pin.table),
+            map: None,
         }
     }
 
+    /// Takes `pin` in (the phase is the caller's to set).
+    fn hold(&mut self, pin: Pin<R>) {
+        self.table = Some(pin.table);
+        self.token = pin.token;
+        self.owner = pin.owner;
+    }
+
     /// The current phase.
+    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
     pub(crate) fn phase(&self) -> Phase {
-        match self.state {
-            State::Acquired => Phase::Acquired,
-            State::Pinning => Phase::Pinning,
-            State::Pinned(..) => Phase::Pinned,
-            State::Unusable(..) => Phase::Unusable,
-            State::Bound(..) => Phase::Bound,
-            State::Mapping(..) => Phase::Mapping,
-            State::Mapped(..) => Phase::Mapped,
-            State::Revoked(..) => Phase::Revoked,
-            State::Unpinning(..) => Phase::Unpinning,
-            State::Stranded(..) => Phase::Stranded,
-            State::Orphaned(..) => Phase::Orphaned,
-            State::Released => Phase::Released,
+        self.phase
+    }
+
+    /// Whether the objects held match the phase (the type's invariant).
+    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
+    pub(crate) fn consistent(&self) -> bool {
+        let (table, core, map) = (self.table.is_some(), self.core != 0, self.map.is_some());
+        let token = self.token.is_some();
+        match self.phase {
+            Phase::Acquired | Phase::Pinning | Phase::Released => !table && !token && !core && !map,
+            Phase::Unpinning => !table && !core && !map,
+            Phase::Pinned | Phase::Unusable => table && !core && !map,
+            Phase::Bound | Phase::Mapping => table && !map,
+            Phase::Mapped => table && map,
+            Phase::Revoked => !table && !token && !core,
+            Phase::Stranded => !table && token && !core && !map,
+            Phase::Orphaned => table && token && !core && !map,
         }
     }
 
@@ -216,66 +252,52 @@ impl<R: Resources> Lifecycle<R> {
     /// this lifecycle tracks.
     #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
     pub(crate) fn callback_armed(&self) -> bool {
-        match &self.state {
-            State::Pinned(p)
-            | State::Unusable(p)
-            | State::Bound(p, _)
-            | State::Mapping(p, _)
-            | State::Mapped(p, _, _) => p.token.is_some(),
-            State::Unpinning(t) => t.is_some(),
-            State::Stranded(_) | State::Orphaned(..) => true,
-            _ => false,
-        }
+        self.token.is_some()
     }
 
     fn refuse(&self) -> Refusal {
-        match self.state {
-            State::Revoked(_) => Refusal::Revoked,
-            _ => Refusal::Forbidden(self.phase()),
+        match self.phase {
+            Phase::Revoked => Refusal::Revoked,
+            p => Refusal::Forbidden(p),
         }
     }
 
-    fn take(&mut self) -> State<R> {
-        core::mem::replace(&mut self.state, State::Released)
+    /// Moves from `from` to `to`, or refuses.
+    fn step(&mut self, from: Phase, to: Phase) -> Result<(), Refusal> {
+        if self.phase != from {
+            return Err(self.refuse());
+        }
+        self.phase = to;
+        Ok(())
     }
 
     /// `acquire` is about to pin (the module makes its registrations with
     /// [`Lifecycle::pinning`] or [`Lifecycle::with_pin`] instead).
     #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
     pub(crate) fn start_pin(&mut self) -> Result<(), Refusal> {
-        match self.state {
-            State::Acquired => {
-                self.state = State::Pinning;
-                Ok(())
-            }
-            _ => Err(self.refuse()),
-        }
+        self.step(Phase::Acquired, Phase::Pinning)
     }
 
     /// The provider refused to pin.
     pub(crate) fn pin_failed(&mut self) {
-        if let State::Pinning = self.state {
-            self.state = State::Acquired;
-        }
+        let _ = self.step(Phase::Pinning, Phase::Acquired);
     }
 
     /// The provider pinned the range. If its free callback fired meanwhile,
     /// the pin is handed back: its table is the provider's to free and its
     /// token was consumed by the callback; the caller must fail.
     pub(crate) fn pin_succeeded(&mut self, pin: Pin<R>) -> Result<(), Pin<R>> {
-        match self.state {
-            State::Pinning => {
-                self.state = State::Pinned(pin);
-                Ok(())
-            }
-            _ => Err(pin),
+        if self.step(Phase::Pinning, Phase::Pinned).is_err() {
+            return Err(pin);
         }
+        self.hold(pin);
+        Ok(())
     }
 
     /// The pinned table, for `get_pages` to check; the state stays Pinned.
     pub(crate) fn pinned_table(&self) -> Result<&R::Table, Refusal> {
-        match &self.state {
-            State::Pinned(p) => Ok(&p.table),
+        match (self.phase, &self.table) {
+            (Phase::Pinned, Some(t)) => Ok(t),
             _ => Err(self.refuse()),
         }
     }
@@ -283,83 +305,53 @@ impl<R: Resources> Lifecycle<R> {
     /// `get_pages` accepted the table: the core knows the registration as
     /// `core_context` from now on.
     pub(crate) fn bind(&mut self, core_context: u64) -> Result<(), Refusal> {
-        match self.take() {
-            State::Pinned(p) => {
-                self.state = State::Bound(p, core_context);
-                Ok(())
-            }
-            s => {
-                self.state = s;
-                Err(self.refuse())
-            }
-        }
+        self.step(Phase::Pinned, Phase::Bound)?;
+        self.core = core_context;
+        Ok(())
     }
 
     /// `get_pages` refused the table: nothing but `release` may use the pin.
     pub(crate) fn reject(&mut self) {
-        match self.take() {
-            State::Pinned(p) => self.state = State::Unusable(p),
-            s => self.state = s,
-        }
+        let _ = self.step(Phase::Pinned, Phase::Unusable);
     }
 
     /// `dma_map` is about to map: legal only once `get_pages` published the
     /// core's id (so a free callback now waits for the core, which holds its
     /// mapping lock across `dma_map`). Returns the table to map.
     pub(crate) fn start_map(&mut self) -> Result<&R::Table, Refusal> {
-        match self.take() {
-            State::Bound(p, ctx) => self.state = State::Mapping(p, ctx),
-            s => {
-                self.state = s;
-                return Err(self.refuse());
+        match (self.phase, &self.table) {
+            (Phase::Bound, Some(t)) => {
+                self.phase = Phase::Mapping;
+                Ok(t)
             }
-        }
-        match &self.state {
-            State::Mapping(p, _) => Ok(&p.table),
-            _ => Err(Refusal::Forbidden(Phase::Mapping)),
+            _ => Err(self.refuse()),
         }
     }
 
     /// Mapping failed; the caller undid its partial mapping.
     pub(crate) fn map_failed(&mut self) {
-        match self.take() {
-            State::Mapping(p, ctx) => self.state = State::Bound(p, ctx),
-            s => self.state = s,
-        }
+        let _ = self.step(Phase::Mapping, Phase::Bound);
     }
 
     /// The pages are mapped. If the callback fired meanwhile the mapping is
     /// handed back for the caller to undo, and the call must fail.
     pub(crate) fn map_succeeded(&mut self, map: R::Map) -> Result<(), R::Map> {
-        match self.take() {
-            State::Mapping(p, ctx) => {
-                self.state = State::Mapped(p, ctx, map);
-                Ok(())
-            }
-            s => {
-                self.state = s;
-                Err(map)
-            }
+        if self.step(Phase::Mapping, Phase::Mapped).is_err() {
+            return Err(map);
         }
+        self.map = Some(map);
+        Ok(())
     }
 
     /// `dma_unmap`: idempotent. Hands back the mapping to undo, also after a
     /// revoke (it is the client's own, never the provider's).
     pub(crate) fn unmap(&mut self) -> Option<R::Map> {
-        match self.take() {
-            State::Mapped(p, ctx, m) => {
-                self.state = State::Bound(p, ctx);
-                Some(m)
-            }
-            State::Revoked(m) => {
-                self.state = State::Revoked(None);
-                m
-            }
-            s => {
-                self.state = s;
-                None
-            }
+        match self.phase {
+            Phase::Mapped => self.phase = Phase::Bound,
+            Phase::Revoked => (),
+            _ => return None,
         }
+        self.map.take()
     }
 
     /// `put_pages`: the same as [`Lifecycle::unmap`]; the unpin itself waits
@@ -378,55 +370,43 @@ impl<R: Resources> Lifecycle<R> {
     /// Returns what to do and the pin's table, which the provider frees as
     /// soon as the callback returns (the caller only drops the handle).
     pub(crate) fn invalidate(&mut self) -> (Invalidate, Option<R::Table>) {
-        let (next, action, table) = match self.take() {
-            State::Pinning => (State::Revoked(None), Invalidate::Quiet, None),
-            State::Pinned(p) | State::Unusable(p) => {
-                (State::Revoked(None), Invalidate::Quiet, Some(p.table))
-            }
-            State::Bound(p, ctx) | State::Mapping(p, ctx) => (
-                State::Revoked(None),
-                Invalidate::NotifyCore(ctx),
-                Some(p.table),
-            ),
-            State::Mapped(p, ctx, m) => (
-                State::Revoked(Some(m)),
-                Invalidate::NotifyCore(ctx),
-                Some(p.table),
-            ),
+        let action = match self.phase {
+            Phase::Pinning | Phase::Pinned | Phase::Unusable => Invalidate::Quiet,
+            Phase::Bound | Phase::Mapping | Phase::Mapped => Invalidate::NotifyCore(self.core),
             // The unpin raced with us: it must not reclaim the token.
-            State::Unpinning(_) => (State::Unpinning(None), Invalidate::Quiet, None),
-            State::Stranded(_) => (
-                State::Released,
-                Invalidate::Reaped { orphaned: false },
-                None,
-            ),
-            State::Orphaned(t, _) => (
-                State::Released,
-                Invalidate::Reaped { orphaned: true },
-                Some(t),
-            ),
-            s => (s, Invalidate::Quiet, None),
+            Phase::Unpinning => {
+                self.token = None;
+                return (Invalidate::Quiet, None);
+            }
+            Phase::Stranded => Invalidate::Reaped { orphaned: false },
+            Phase::Orphaned => Invalidate::Reaped { orphaned: true },
+            Phase::Acquired | Phase::Revoked | Phase::Released => return (Invalidate::Quiet, None),
         };
-        self.state = next;
-        (action, table)
+        // The client's mapping stays (Mapped → Revoked) for the core to
+        // unmap; the pin ends.
+        self.phase = match action {
+            Invalidate::Reaped { .. } => Phase::Released,
+            _ => Phase::Revoked,
+        };
+        self.token = None;
+        self.core = 0;
+        (action, self.table.take())
     }
 
     /// The process that pinned, while the pin is usable.
     pub(crate) fn owner(&self) -> Option<u32> {
-        match &self.state {
-            State::Pinned(p)
-            | State::Unusable(p)
-            | State::Bound(p, _)
-            | State::Mapping(p, _)
-            | State::Mapped(p, _, _) => Some(p.owner),
+        match self.phase {
+            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapping | Phase::Mapped => {
+                Some(self.owner)
+            }
             _ => None,
         }
     }
 
     /// The mapping the core holds, while mapped.
     pub(crate) fn map(&self) -> Option<&R::Map> {
-        match &self.state {
-            State::Mapped(_, _, m) => Some(m),
+        match self.phase {
+            Phase::Mapped => self.map.as_ref(),
             _ => None,
         }
     }
@@ -435,8 +415,8 @@ impl<R: Resources> Lifecycle<R> {
     /// place (the core may still read its scatterlist until it unmaps or
     /// releases), for the caller to undo the device's access.
     pub(crate) fn revoked_map_mut(&mut self) -> Option<&mut R::Map> {
-        match &mut self.state {
-            State::Revoked(m) => m.as_mut(),
+        match self.phase {
+            Phase::Revoked => self.map.as_mut(),
             _ => None,
         }
     }
@@ -444,59 +424,54 @@ impl<R: Resources> Lifecycle<R> {
     /// `release`, called by `tgid`: undo whatever the core left, unpin if
     /// this process may, and end.
     pub(crate) fn release(&mut self, tgid: u32) -> Release<R> {
-        let (pin, map) = match self.take() {
-            State::Pinned(p) | State::Unusable(p) | State::Bound(p, _) => (p, None),
-            State::Mapped(p, _, m) => (p, Some(m)),
-            State::Revoked(m) => {
+        match self.phase {
+            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped => (),
+            Phase::Revoked => {
+                self.phase = Phase::Released;
                 return Release {
-                    map: m,
+                    map: self.map.take(),
                     ..Release::default()
-                }
+                };
             }
-            // The core never releases in the middle of its own call.
-            s @ (State::Pinning | State::Mapping(..)) => {
-                self.state = s;
+            Phase::Acquired => {
+                self.phase = Phase::Released;
                 return Release::default();
             }
-            State::Acquired | State::Released => return Release::default(),
-            s => {
-                self.state = s;
-                return Release::default();
-            }
-        };
-        match pin.token {
+            // The core never releases in the middle of its own call, and
+            // nothing is left to release in the other phases.
+            _ => return Release::default(),
+        }
+        self.core = 0;
+        let map = self.map.take();
+        if self.token.is_none() {
+            // A persistent pin has no callback, and any process may unpin
+            // it: nothing can race the unpin, and its outcome changes
+            // nothing here. The lifecycle ends now, with one lock section.
+            self.phase = Phase::Released;
+            return Release {
+                map,
+                unpin: self.table.take(),
+                ended: true,
+                ..Release::default()
+            };
+        }
+        if self.owner != tgid {
             // The GPU driver looks a non-persistent pin up by the caller's
             // process: from another one its unpin "succeeds" and does nothing
             // (real-driver-behaviour.md, fact 7). Leave the pin and the token
             // to the callback.
-            Some(token) if pin.owner != tgid => {
-                self.state = State::Orphaned(pin.table, token);
-                Release {
-                    map,
-                    orphaned: true,
-                    ..Release::default()
-                }
-            }
-            Some(token) => {
-                self.state = State::Unpinning(Some(token));
-                Release {
-                    map,
-                    unpin: Some(pin.table),
-                    ..Release::default()
-                }
-            }
-            // A persistent pin has no callback, and any process may unpin
-            // it: nothing can race the unpin, and its outcome changes
-            // nothing here. The lifecycle ends now, with one lock section.
-            None => {
-                self.state = State::Released;
-                Release {
-                    map,
-                    unpin: Some(pin.table),
-                    ended: true,
-                    ..Release::default()
-                }
-            }
+            self.phase = Phase::Orphaned;
+            return Release {
+                map,
+                orphaned: true,
+                ..Release::default()
+            };
+        }
+        self.phase = Phase::Unpinning;
+        Release {
+            map,
+            unpin: self.table.take(),
+            ..Release::default()
         }
     }
 
@@ -504,18 +479,23 @@ impl<R: Resources> Lifecycle<R> {
     /// so). Returns the token to reclaim, only when the unpin succeeded and
     /// the callback did not run.
     pub(crate) fn unpinned(&mut self, ok: bool) -> (Unpinned, Option<R::Token>) {
-        match self.take() {
-            State::Unpinning(Some(t)) if ok => (Unpinned::Reclaim, Some(t)),
+        if self.phase != Phase::Unpinning {
+            return (Unpinned::Raced, None);
+        }
+        match self.token {
+            None => {
+                self.phase = Phase::Released;
+                (Unpinned::Raced, None)
+            }
             // A failed unpin leaves the callback armed (fact 8): keep its
             // reference where it is; the callback ends the pin later.
-            State::Unpinning(Some(t)) => {
-                self.state = State::Stranded(t);
+            Some(_) if !ok => {
+                self.phase = Phase::Stranded;
                 (Unpinned::Stranded, None)
             }
-            State::Unpinning(None) => (Unpinned::Raced, None),
-            s => {
-                self.state = s;
-                (Unpinned::Raced, None)
+            Some(_) => {
+                self.phase = Phase::Released;
+                (Unpinned::Reclaim, self.token.take())
             }
         }
     }

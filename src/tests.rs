@@ -673,7 +673,13 @@ mod lifecycle_tests {
                 let Some(l) = reach(p, persistent, &DROPS) else {
                     continue;
                 };
-                let at = || reach(p, persistent, &DROPS).unwrap_or_else(Lc::new);
+                // Every phase holds exactly its objects, before and after
+                // every call.
+                let at = || {
+                    let l = reach(p, persistent, &DROPS).unwrap_or_else(Lc::new);
+                    assert!(l.consistent());
+                    l
+                };
                 assert_eq!(l.phase(), p);
                 drop(l);
                 let refusal = if p == Phase::Revoked {
@@ -708,13 +714,16 @@ mod lifecycle_tests {
                 let ok = p == Phase::Acquired;
                 assert_eq!(l.start_pin(), if ok { Ok(()) } else { Err(refusal) });
                 assert_eq!(l.phase(), moved(ok, Phase::Pinning));
+                assert!(l.consistent());
                 let mut l = at();
                 l.pin_failed();
                 assert_eq!(l.phase(), moved(p == Phase::Pinning, Phase::Acquired));
+                assert!(l.consistent());
                 let mut l = at();
                 let ok = p == Phase::Pinning;
                 assert_eq!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok(), ok);
                 assert_eq!(l.phase(), moved(ok, Phase::Pinned));
+                assert!(l.consistent());
 
                 // get_pages: reads the table, binds or rejects, only Pinned.
                 let l = at();
@@ -723,23 +732,28 @@ mod lifecycle_tests {
                 let mut l = at();
                 assert_eq!(l.bind(CTX), if ok { Ok(()) } else { Err(refusal) });
                 assert_eq!(l.phase(), moved(ok, Phase::Bound));
+                assert!(l.consistent());
                 let mut l = at();
                 l.reject();
                 assert_eq!(l.phase(), moved(ok, Phase::Unusable));
+                assert!(l.consistent());
 
                 // dma_map: only once bound.
                 let mut l = at();
                 let ok = p == Phase::Bound;
                 assert_eq!(l.start_map(), if ok { Ok(&TABLE) } else { Err(refusal) });
                 assert_eq!(l.phase(), moved(ok, Phase::Mapping));
+                assert!(l.consistent());
                 let mut l = at();
                 l.map_failed();
                 assert_eq!(l.phase(), moved(p == Phase::Mapping, Phase::Bound));
+                assert!(l.consistent());
                 let mut l = at();
                 let ok = p == Phase::Mapping;
                 let r = l.map_succeeded(MAP + 1);
                 assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
                 assert_eq!(l.phase(), moved(ok, Phase::Mapped));
+                assert!(l.consistent());
 
                 // dma_unmap and put_pages: hand the map back once, never
                 // unpin.
@@ -750,6 +764,7 @@ mod lifecycle_tests {
                 assert_eq!(l.unmap(), None);
                 assert_eq!(l.put_pages(), None);
                 assert_eq!(l.phase(), moved(mapped, Phase::Bound));
+                assert!(l.consistent());
                 let mut l = at();
                 assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
                 assert_eq!(l.revoked_map_mut(), None);
@@ -781,6 +796,7 @@ mod lifecycle_tests {
                 assert_eq!(l.invalidate(), (action, table));
                 assert_eq!(drops() - before, usize::from(holds));
                 assert_eq!(l.phase(), next);
+                assert!(l.consistent());
                 assert!(!l.callback_armed());
                 assert_eq!(
                     l.revoked_map_mut().copied(),
@@ -813,6 +829,7 @@ mod lifecycle_tests {
                         _ => p,
                     };
                     assert_eq!(l.phase(), next);
+                    assert!(l.consistent());
                     assert_eq!(l.callback_armed(), holds);
                     assert_eq!(drops(), before);
                     let r = l.release(tgid);
@@ -837,6 +854,7 @@ mod lifecycle_tests {
                     assert_eq!(token_id(&tok), if reclaimed { Some(TABLE) } else { None });
                     assert_eq!(drops(), before);
                     assert_eq!(l.phase(), next);
+                    assert!(l.consistent());
                     assert_eq!(l.callback_armed(), holds && !reclaimed);
                 }
             }

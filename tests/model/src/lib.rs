@@ -422,6 +422,11 @@ mod lifecycle_tests {
         /// The lifecycle holds a callback's reference exactly while the GPU
         /// driver keeps that callback armed and no provider call holds it.
         fn check(&self) {
+            assert!(
+                self.lc.consistent(),
+                "phase {:?} holds objects it must not",
+                self.lc.phase()
+            );
             let in_flight = match &self.call {
                 Some(Call::Pin(Some(p))) => Some(p.table),
                 _ => None,
