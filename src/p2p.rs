@@ -152,6 +152,7 @@ fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable>
 }
 
 /// Pins `range` without a free callback; the pages stay until unpinned.
+#[inline]
 pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
     // SAFETY: `pt` is a valid out-pointer; the provider validates the range.

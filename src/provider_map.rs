@@ -51,6 +51,7 @@ pub(crate) struct ProviderRun {
 unsafe impl Send for ProviderRun {}
 
 impl Drop for ProviderRun {
+    #[inline]
     fn drop(&mut self) {
         let Some(m) = self.mapping.take() else { return };
         // SAFETY: the table is still pinned (type invariant) and `m` was

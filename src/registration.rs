@@ -191,6 +191,10 @@ impl Registration {
     /// `acquire`: claims `[addr, addr + size)` if the GPU driver owns it, by
     /// pinning it — the only ownership test the p2p API has, done once: the
     /// pin is kept for `get_pages`. Any error means "not mine".
+    ///
+    /// Expanded into each client's `acquire`, where `mode` is a constant:
+    /// the other mode's path drops out, and so does a call.
+    #[inline(always)]
     pub(crate) fn acquire(addr: u64, size: u64, mode: Mode) -> Result<RegRef> {
         let range = GpuRange::widen(addr, size, GRANULE).map_err(|e| {
             reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
