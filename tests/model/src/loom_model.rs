@@ -36,11 +36,11 @@
 use crate::lifecycle::{Invalidate, Lifecycle, Pin, Resources, Unpinned};
 use loom::{
     cell::UnsafeCell,
-    sync::{Arc, Condvar, Mutex},
+    sync::{Arc, Condvar, Mutex, MutexGuard},
 };
 use std::{
     mem::ManuallyDrop,
-    ops::Deref,
+    ops::{Deref, DerefMut},
     sync::atomic::{AtomicUsize as Counter, Ordering::Relaxed},
 };
 
@@ -333,9 +333,59 @@ struct Reg {
     counters: std::sync::Arc<Counters>,
 }
 
+/// A section under the registration's lock: it ends with the lifecycle's
+/// invariant checked (the objects held match the phase).
+struct Locked<'a>(Option<MutexGuard<'a, Inner>>);
+
+impl Locked<'_> {
+    fn check(&self) {
+        if let Some(g) = &self.0 {
+            if !std::thread::panicking() {
+                assert!(
+                    g.lc.consistent(),
+                    "phase {:?} holds objects it must not",
+                    g.lc.phase()
+                );
+            }
+        }
+    }
+}
+
+impl Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.0.as_ref().unwrap()
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        self.0.as_mut().unwrap()
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.check();
+    }
+}
+
+impl Reg {
+    fn lock(&self) -> Locked<'_> {
+        Locked(Some(self.inner.lock().unwrap()))
+    }
+
+    /// Waits on `core_left`, the lock released meanwhile.
+    fn wait<'a>(&'a self, mut l: Locked<'a>) -> Locked<'a> {
+        l.check();
+        let g = l.0.take().unwrap();
+        Locked(Some(self.core_left.wait(g).unwrap()))
+    }
+}
+
 impl Drop for Reg {
     fn drop(&mut self) {
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.lock();
         assert!(
             g.lc.map().is_none() && g.lc.revoked_map_mut().is_none(),
             "registration freed with a DMA mapping"
@@ -347,7 +397,7 @@ impl Drop for Reg {
 
 impl Reg {
     fn pin(this: &Arc<Self>, owner: u32) -> bool {
-        this.inner.lock().unwrap().lc.start_pin().unwrap();
+        this.lock().lc.start_pin().unwrap();
         let persistent = this.sc.persistent;
         let cb = (!persistent).then(|| Arc::clone(this));
         this.provider.get_pages(owner, cb);
@@ -356,13 +406,13 @@ impl Reg {
             token: (!persistent).then_some(Armed),
             owner,
         };
-        let took = this.inner.lock().unwrap().lc.pin_succeeded(pin);
+        let took = this.lock().lc.pin_succeeded(pin);
         // Err: the callback consumed its reference; the handles are dropped.
         took.is_ok()
     }
 
     fn get_pages(&self, ctx: u64) -> bool {
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.lock();
         if g.lc.pinned_table().is_err() {
             return false;
         }
@@ -373,14 +423,14 @@ impl Reg {
 
     fn dma_map(&self) -> bool {
         {
-            let mut g = self.inner.lock().unwrap();
+            let mut g = self.lock();
             if g.lc.start_map().is_err() {
                 return false;
             }
             g.mapper = true;
         }
         let map = self.map_pages();
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.lock();
         g.mapper = false;
         self.core_left.notify_all();
         if let Err(map) = g.lc.map_succeeded(map) {
@@ -407,22 +457,22 @@ impl Reg {
     }
 
     fn dma_unmap(&self) {
-        let map = self.inner.lock().unwrap().lc.unmap();
+        let map = self.lock().lc.unmap();
         drop(map);
     }
 
     fn put_pages(&self) {
-        let map = self.inner.lock().unwrap().lc.put_pages();
+        let map = self.lock().lc.put_pages();
         drop(map);
     }
 
     /// Consumes the core's reference.
     fn release(this: Kept<Arc<Self>>, tgid: u32, task: usize) {
         let r = {
-            let mut g = this.inner.lock().unwrap();
+            let mut g = this.lock();
             if this.sc.mutant != Mutant::ReleaseWithoutWaiting {
                 while g.in_core.is_some_and(|t| t != task) {
-                    g = this.core_left.wait(g).unwrap();
+                    g = this.wait(g);
                 }
             }
             // The mutant takes any release for the pinning process's.
@@ -445,7 +495,7 @@ impl Reg {
 
     fn unpin(&self, _table: TableH, tgid: u32) {
         let res = self.provider.put_pages(tgid);
-        let (how, token) = self.inner.lock().unwrap().lc.unpinned(res.is_ok());
+        let (how, token) = self.lock().lc.unpinned(res.is_ok());
         let token = match (how, self.sc.mutant) {
             (Unpinned::Stranded, Mutant::ReclaimAfterFailedUnpin) => Some(Armed),
             _ => token,
@@ -460,7 +510,7 @@ impl Reg {
     /// `Revocable::revoke`, from the free callback.
     fn revoke(&self, task: usize) {
         let action = {
-            let mut g = self.inner.lock().unwrap();
+            let mut g = self.lock();
             // The table comes back only to be forgotten: the provider frees
             // it once the callback returns.
             let (action, _table) = g.lc.invalidate();
@@ -468,7 +518,7 @@ impl Reg {
                 g.in_core = Some(task);
             }
             while g.mapper {
-                g = self.core_left.wait(g).unwrap();
+                g = self.wait(g);
             }
             action
         };
@@ -476,10 +526,10 @@ impl Reg {
             self.core.invalidate(ctx, self);
             // The device's access ends; the map stays for the core until
             // it unmaps or releases (`bar_map::take_device_access`).
-            if let Some(m) = self.inner.lock().unwrap().lc.revoked_map_mut() {
+            if let Some(m) = self.lock().lc.revoked_map_mut() {
                 m.revoke_access();
             }
-            self.inner.lock().unwrap().in_core = None;
+            self.lock().in_core = None;
             self.core_left.notify_all();
         }
     }
