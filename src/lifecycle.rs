@@ -9,13 +9,17 @@
 //! registration's lock, and the provider is called only after the lock is
 //! dropped.
 //!
-//! Each phase carries exactly the objects it owns: the pin (page table and,
-//! for a non-persistent pin, the token of the reference the GPU driver holds
-//! for its free callback), the core's id once `get_pages` published it, and
-//! the client's DMA mapping once `dma_map` made it. A call moves what it must
-//! undo out of the phase and hands it to the caller, so "the table is used
-//! only while pinned" and "the callback's reference is reclaimed at most once,
-//! and only when the callback can no longer run" hold by construction.
+//! Each phase holds exactly the objects it owns (the table of
+//! [`Lifecycle`]'s invariants): the pin (page table and, for a non-persistent
+//! pin, the token of the reference the GPU driver holds for its free
+//! callback), the core's id once `get_pages` published it, and the client's
+//! DMA mapping once `dma_map` made it. A call takes what it must undo out of
+//! the lifecycle (`Option::take`, so at most once) as it leaves the phases
+//! that hold it, and hands it to the caller, so "the table is used only while
+//! pinned" and "the callback's reference is reclaimed at most once, and only
+//! when the callback can no longer run" hold; [`Lifecycle::consistent`]
+//! checks the table after every call in the KUnit suites, the proptest model
+//! and the loom model.
 //!
 //! The module and the host model checker (loom, proptest) compile this very
 //! file, with kernel objects or with plain markers as the resources.
