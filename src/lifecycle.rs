@@ -212,17 +212,13 @@ impl<R: Resources> Lifecycle<R> {
     /// lifecycle (the same as [`Lifecycle::start_pin`] then
     /// [`Lifecycle::pin_succeeded`] on a fresh one).
     pub(crate) fn with_pin(pin: Pin<R>) -> Self {
-        Self {
-            phase: Phase::Pinned,
-            token: pin.token,
-            owner: pin.owner,
-            core: 0,
-            table: Some(pin.table),
-            map: None,
-        }
+        let mut lc = Self::empty(Phase::Pinned);
+        lc.hold(pin);
+        lc
     }
 
     /// Takes `pin` in (the phase is the caller's to set).
+    #[inline(always)]
     fn hold(&mut self, pin: Pin<R>) {
         self.table = Some(pin.table);
         self.token = pin.token;

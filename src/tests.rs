@@ -668,6 +668,11 @@ mod lifecycle_tests {
     fn every_phase_against_every_call() {
         static DROPS: Atomic<usize> = Atomic::new(0);
         let drops = || DROPS.load(Relaxed);
+        // `l` is in phase `want` and holds exactly that phase's objects.
+        let is_at = |l: &Lc, want: Phase| {
+            assert_eq!(l.phase(), want);
+            assert!(l.consistent());
+        };
         for persistent in [false, true] {
             for p in PHASES {
                 let Some(l) = reach(p, persistent, &DROPS) else {
@@ -713,17 +718,14 @@ mod lifecycle_tests {
                 let mut l = at();
                 let ok = p == Phase::Acquired;
                 assert_eq!(l.start_pin(), if ok { Ok(()) } else { Err(refusal) });
-                assert_eq!(l.phase(), moved(ok, Phase::Pinning));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Pinning));
                 let mut l = at();
                 l.pin_failed();
-                assert_eq!(l.phase(), moved(p == Phase::Pinning, Phase::Acquired));
-                assert!(l.consistent());
+                is_at(&l, moved(p == Phase::Pinning, Phase::Acquired));
                 let mut l = at();
                 let ok = p == Phase::Pinning;
                 assert_eq!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok(), ok);
-                assert_eq!(l.phase(), moved(ok, Phase::Pinned));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Pinned));
 
                 // get_pages: reads the table, binds or rejects, only Pinned.
                 let l = at();
@@ -731,29 +733,24 @@ mod lifecycle_tests {
                 assert_eq!(l.pinned_table(), if ok { Ok(&TABLE) } else { Err(refusal) });
                 let mut l = at();
                 assert_eq!(l.bind(CTX), if ok { Ok(()) } else { Err(refusal) });
-                assert_eq!(l.phase(), moved(ok, Phase::Bound));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Bound));
                 let mut l = at();
                 l.reject();
-                assert_eq!(l.phase(), moved(ok, Phase::Unusable));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Unusable));
 
                 // dma_map: only once bound.
                 let mut l = at();
                 let ok = p == Phase::Bound;
                 assert_eq!(l.start_map(), if ok { Ok(&TABLE) } else { Err(refusal) });
-                assert_eq!(l.phase(), moved(ok, Phase::Mapping));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Mapping));
                 let mut l = at();
                 l.map_failed();
-                assert_eq!(l.phase(), moved(p == Phase::Mapping, Phase::Bound));
-                assert!(l.consistent());
+                is_at(&l, moved(p == Phase::Mapping, Phase::Bound));
                 let mut l = at();
                 let ok = p == Phase::Mapping;
                 let r = l.map_succeeded(MAP + 1);
                 assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
-                assert_eq!(l.phase(), moved(ok, Phase::Mapped));
-                assert!(l.consistent());
+                is_at(&l, moved(ok, Phase::Mapped));
 
                 // dma_unmap and put_pages: hand the map back once, never
                 // unpin.
@@ -763,8 +760,7 @@ mod lifecycle_tests {
                 assert_eq!(l.unmap(), if mapped { Some(MAP) } else { None });
                 assert_eq!(l.unmap(), None);
                 assert_eq!(l.put_pages(), None);
-                assert_eq!(l.phase(), moved(mapped, Phase::Bound));
-                assert!(l.consistent());
+                is_at(&l, moved(mapped, Phase::Bound));
                 let mut l = at();
                 assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
                 assert_eq!(l.revoked_map_mut(), None);
@@ -795,8 +791,7 @@ mod lifecycle_tests {
                 let before = drops();
                 assert_eq!(l.invalidate(), (action, table));
                 assert_eq!(drops() - before, usize::from(holds));
-                assert_eq!(l.phase(), next);
-                assert!(l.consistent());
+                is_at(&l, next);
                 assert!(!l.callback_armed());
                 assert_eq!(
                     l.revoked_map_mut().copied(),
@@ -828,8 +823,7 @@ mod lifecycle_tests {
                         Phase::Acquired | Phase::Revoked | Phase::Released => Phase::Released,
                         _ => p,
                     };
-                    assert_eq!(l.phase(), next);
-                    assert!(l.consistent());
+                    is_at(&l, next);
                     assert_eq!(l.callback_armed(), holds);
                     assert_eq!(drops(), before);
                     let r = l.release(tgid);
@@ -853,8 +847,7 @@ mod lifecycle_tests {
                     let reclaimed = want == Unpinned::Reclaim;
                     assert_eq!(token_id(&tok), if reclaimed { Some(TABLE) } else { None });
                     assert_eq!(drops(), before);
-                    assert_eq!(l.phase(), next);
-                    assert!(l.consistent());
+                    is_at(&l, next);
                     assert_eq!(l.callback_armed(), holds && !reclaimed);
                 }
             }
