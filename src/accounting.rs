@@ -308,37 +308,50 @@ const _: () = assert!(GPUS < u16::MAX as usize && PROC_SHARDS * PROCS_PER_SHARD 
 /// when the slot is its own or free), then one pass over its shard. Two
 /// slots can end up with the same process (its home slot was taken when it
 /// claimed another, and freed since); `show_processes` adds them up.
+#[inline(always)]
 fn proc_add(tgid: u32, bytes: u64) -> Option<usize> {
     let shard = tgid as usize % PROC_SHARDS;
-    let slots = shard * PROCS_PER_SHARD..(shard + 1) * PROCS_PER_SHARD;
-    let me = (u64::from(tgid) << 32) | 1;
-    let home = slots.start + (tgid as usize / PROC_SHARDS) % PROCS_PER_SHARD;
-    let join = |i: usize, free_too: bool| {
-        let s = &PROC_TABLE[i];
-        let mut cur = s.owner.load(Relaxed);
-        loop {
-            let next = match cur {
-                0 if free_too => me,
-                c if c != 0 && (c >> 32) as u32 == tgid => c + 1,
-                _ => return false,
-            };
-            match s.owner.cmpxchg(cur, next, Acquire) {
-                Ok(_) => {
-                    s.pinned.add(bytes, Relaxed);
-                    return true;
-                }
-                Err(now) => cur = now,
-            }
-        }
-    };
-    if join(home, true) {
+    let home = shard * PROCS_PER_SHARD + (tgid as usize / PROC_SHARDS) % PROCS_PER_SHARD;
+    if proc_join(home, tgid, bytes, true) {
         return Some(home);
     }
-    // The process's slot elsewhere in the shard, else the first free one.
-    if let Some(i) = slots.clone().find(|&i| join(i, false)) {
+    proc_add_elsewhere(tgid, bytes)
+}
+
+/// `proc_add` when the home slot is another process's: the process's slot
+/// elsewhere in the shard, else the first free one.
+#[cold]
+#[inline(never)]
+fn proc_add_elsewhere(tgid: u32, bytes: u64) -> Option<usize> {
+    let shard = tgid as usize % PROC_SHARDS;
+    let slots = shard * PROCS_PER_SHARD..(shard + 1) * PROCS_PER_SHARD;
+    if let Some(i) = slots.clone().find(|&i| proc_join(i, tgid, bytes, false)) {
         return Some(i);
     }
-    slots.clone().find(|&i| join(i, true))
+    slots.clone().find(|&i| proc_join(i, tgid, bytes, true))
+}
+
+/// Adds a registration of `tgid` to slot `i` if the slot is the process's
+/// (or free, with `free_too`).
+#[inline(always)]
+fn proc_join(i: usize, tgid: u32, bytes: u64, free_too: bool) -> bool {
+    let s = &PROC_TABLE[i];
+    let me = (u64::from(tgid) << 32) | 1;
+    let mut cur = s.owner.load(Relaxed);
+    loop {
+        let next = match cur {
+            0 if free_too => me,
+            c if c != 0 && (c >> 32) as u32 == tgid => c + 1,
+            _ => return false,
+        };
+        match s.owner.cmpxchg(cur, next, Acquire) {
+            Ok(_) => {
+                s.pinned.add(bytes, Relaxed);
+                return true;
+            }
+            Err(now) => cur = now,
+        }
+    }
 }
 
 fn proc_remove(i: usize, bytes: u64) {
@@ -357,6 +370,8 @@ fn proc_remove(i: usize, bytes: u64) {
 
 /// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
 /// process `tgid`.
+// One call site per client mode (`Route::charge` in each `dma_map`).
+#[inline(always)]
 pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
     pair.slot().registrations.add(1, Relaxed);
     let g = &GPU_TABLE[gpu.slot];

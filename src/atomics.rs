@@ -31,6 +31,10 @@ pub(crate) use core::sync::atomic::Ordering::{
     Release, //
 };
 
+/// What a spin loop runs between two reads of the word it waits on (the
+/// CPU's pause instruction, as the kernel's `cpu_relax()`).
+pub(crate) use core::hint::spin_loop;
+
 /// An atomic `T`.
 ///
 /// # Invariants

@@ -2,7 +2,7 @@
 
 //! The peer-memory clients (`nv_mem`, `nv_mem_nc`): the C function tables the
 //! core calls, and their trampolines from raw C arguments to
-//! [`Registration`] methods and back to errno values.
+//! [`Registration`] and [`Called`] methods and back to errno values.
 
 use core::ptr::NonNull;
 
@@ -18,11 +18,17 @@ use kernel::{
 };
 
 use crate::{
+    access::{
+        Access,
+        Claimed,
+        Locked, //
+    },
     atomics::Relaxed,
     core_link::CoreLink,
     ffi,
     reg_ref::RegRef,
     registration::{
+        Called,
         Mode,
         Registration, //
     },
@@ -62,12 +68,32 @@ const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
         } else {
             acquire::<false>
         }),
-        get_pages: Some(get_pages),
-        dma_map: Some(dma_map),
-        dma_unmap: Some(dma_unmap),
-        put_pages: Some(put_pages),
+        get_pages: Some(if invalidating {
+            get_pages::<Locked>
+        } else {
+            get_pages::<Claimed>
+        }),
+        dma_map: Some(if invalidating {
+            dma_map::<Locked>
+        } else {
+            dma_map::<Claimed>
+        }),
+        dma_unmap: Some(if invalidating {
+            dma_unmap::<Locked>
+        } else {
+            dma_unmap::<Claimed>
+        }),
+        put_pages: Some(if invalidating {
+            put_pages::<Locked>
+        } else {
+            put_pages::<Claimed>
+        }),
         get_page_size: Some(get_page_size),
-        release: Some(release),
+        release: Some(if invalidating {
+            release::<Locked>
+        } else {
+            release::<Claimed>
+        }),
     };
     ClientTable(ffi::peer_memory_client_ex {
         client,
@@ -141,16 +167,24 @@ impl Drop for CoreRegistration {
     }
 }
 
-/// Borrows the registration behind `ctx`.
+/// Borrows the registration behind `ctx` as a call of client `A` sees it.
 ///
 /// # Safety
 ///
-/// `ctx` must be a `client_context` this module returned from `acquire` and
+/// `ctx` must be a `client_context` that the `acquire` of a client whose
+/// registrations are entered the `A` way (see `table`) returned, and that
 /// the core has not yet passed to `release`.
-unsafe fn borrow<'a>(ctx: *mut c_void) -> &'a Registration {
-    // SAFETY: per the caller's guarantee, `ctx` came from `into_raw` of a
-    // reference the core still owns.
-    unsafe { RegRef::borrow(ctx) }
+#[inline(always)]
+unsafe fn called<'a, A: Access>(ctx: *mut c_void) -> Called<'a, A> {
+    // SAFETY: `ctx` came from `into_raw` of a reference the core still owns
+    // (caller).
+    let reg = unsafe { RegRef::borrow(ctx) };
+    // SAFETY: that client's `acquire` made it in mode `A::MODE` (caller; the
+    // tables pair `acquire::<true>` with `Locked` and `acquire::<false>`
+    // with `Claimed`). The core calls a registration only through the client
+    // whose `acquire` made it: it keeps that client with the umem
+    // (real-driver-behaviour.md, facts 11 to 14).
+    unsafe { reg.called_unchecked::<A>() }
 }
 
 /// `acquire`: claims the range if it is GPU memory the provider can pin.
@@ -194,12 +228,12 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     }
 }
 
-/// `get_pages`: see [`Registration::get_pages`].
+/// `get_pages`: see [`Called::get_pages`].
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by `acquire`.
-unsafe extern "C" fn get_pages(
+unsafe extern "C" fn get_pages<A: Access>(
     addr: c_ulong,
     size: usize,
     _write: c_int,
@@ -208,22 +242,22 @@ unsafe extern "C" fn get_pages(
     client_context: *mut c_void,
     core_context: u64,
 ) -> c_int {
-    // SAFETY: the core passes the context `acquire` returned.
-    let reg = unsafe { borrow(client_context) };
+    // SAFETY: the core passes the context this client's `acquire` returned.
+    let reg = unsafe { called::<A>(client_context) };
     match reg.get_pages(addr as u64, size as u64, core_context) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
 }
 
-/// `dma_map`: see [`Registration::dma_map`].
+/// `dma_map`: see [`Called::dma_map`].
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by `acquire`; `sg_head`
 /// the core's table for it and `nmap` NULL or valid; `dma_device` NULL or a
 /// device the core keeps alive while the registration is mapped.
-unsafe extern "C" fn dma_map(
+unsafe extern "C" fn dma_map<A: Access>(
     sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     dma_device: *mut bindings::device,
@@ -233,8 +267,8 @@ unsafe extern "C" fn dma_map(
     if sg_head.is_null() || nmap.is_null() {
         return EINVAL.to_errno();
     }
-    // SAFETY: the core passes the context `acquire` returned.
-    let reg = unsafe { borrow(client_context) };
+    // SAFETY: the core passes the context this client's `acquire` returned.
+    let reg = unsafe { called::<A>(client_context) };
     // SAFETY: `sg_head` is the core's table for this registration and the core
     // keeps `dma_device` alive while the registration is mapped.
     match unsafe { reg.dma_map(sg_head, dma_device) } {
@@ -247,29 +281,32 @@ unsafe extern "C" fn dma_map(
     }
 }
 
-/// `dma_unmap`: see [`Registration::dma_unmap`].
+/// `dma_unmap`: see [`Called::dma_unmap`].
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by `acquire`.
-unsafe extern "C" fn dma_unmap(
+unsafe extern "C" fn dma_unmap<A: Access>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     _dma_device: *mut bindings::device,
 ) -> c_int {
-    // SAFETY: the core passes the context `acquire` returned.
-    unsafe { borrow(client_context) }.dma_unmap();
+    // SAFETY: the core passes the context this client's `acquire` returned.
+    unsafe { called::<A>(client_context) }.dma_unmap();
     0
 }
 
-/// `put_pages`: see [`Registration::put_pages`].
+/// `put_pages`: see [`Called::put_pages`].
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by `acquire`.
-unsafe extern "C" fn put_pages(_sg_head: *mut bindings::sg_table, client_context: *mut c_void) {
-    // SAFETY: the core passes the context `acquire` returned.
-    unsafe { borrow(client_context) }.put_pages();
+unsafe extern "C" fn put_pages<A: Access>(
+    _sg_head: *mut bindings::sg_table,
+    client_context: *mut c_void,
+) {
+    // SAFETY: the core passes the context this client's `acquire` returned.
+    unsafe { called::<A>(client_context) }.put_pages();
 }
 
 /// `get_page_size`: the granule of every entry we build.
@@ -283,14 +320,17 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
     crate::range::granule(bindings::PAGE_SIZE as u64) as c_ulong
 }
 
-/// `release`: see [`Registration::release`].
+/// `release`: see [`Called::release`].
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by `acquire`, released
 /// once.
-unsafe extern "C" fn release(client_context: *mut c_void) {
-    // SAFETY: the core passes the context `acquire` returned, once, here.
-    let reg = unsafe { RegRef::from_raw(client_context) };
-    Registration::release(reg);
+unsafe extern "C" fn release<A: Access>(client_context: *mut c_void) {
+    // SAFETY: the core passes the context this client's `acquire` returned,
+    // and keeps its reference until we take it back below.
+    unsafe { called::<A>(client_context) }.release();
+    // SAFETY: that context, passed to `release` once, here: the core's
+    // reference comes back and goes.
+    drop(unsafe { RegRef::from_raw(client_context) });
 }

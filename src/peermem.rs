@@ -18,10 +18,12 @@ use kernel::{
     prelude::*,
 };
 
+mod access;
 mod accounting;
 mod atomics;
 mod bar_map;
 mod bar_window;
+mod claim;
 mod client;
 mod coalesce;
 mod compat;

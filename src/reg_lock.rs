@@ -29,15 +29,6 @@ pub(crate) type RegLock<T> = Lock<T, RegLockBackend>;
 /// A `spinlock_t` locked by `_raw_spin_lock` (see the module).
 pub(crate) struct RegLockBackend;
 
-/// Creates a [`RegLock`] initializer named `$name` (a `&'static CStr`),
-/// with a static lock class.
-macro_rules! new_reg_lock {
-    ($inner:expr, $name:expr $(,)?) => {
-        $crate::reg_lock::RegLock::new($inner, $name, kernel::static_lock_class!())
-    };
-}
-pub(crate) use new_reg_lock;
-
 #[cfg(not(CONFIG_PREEMPT_RT))]
 fn raw(ptr: *mut bindings::spinlock_t) -> *mut bindings::raw_spinlock_t {
     // Outside PREEMPT_RT a `spinlock_t` is a union whose member `rlock`, a

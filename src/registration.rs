@@ -6,18 +6,28 @@
 //! invalidating mode, by the GPU driver's free callback, each holding its own
 //! reference; it is freed when the last one goes, so `release` cannot free it
 //! under a running callback. Its [`Lifecycle`] owns every provider object and
-//! decides, under a spinlock that is never held across a provider or core
-//! call, who may use which.
+//! decides, under a spinlock (invalidating) or a claim (persistent; see
+//! `access`) that is never held across a provider or core call, who may use
+//! which.
 
 use kernel::{
     bindings,
-    prelude::*,
-    sync::lock::Guard, //
+    prelude::*, //
 };
 
-use core::num::NonZeroU32;
+use core::{
+    marker::PhantomData,
+    num::NonZeroU32,
+    ops::Deref, //
+};
 
 use crate::{
+    access::{
+        Access,
+        Entered,
+        Locked,
+        RegState, //
+    },
     accounting::Charge,
     atomics::{
         Atomic,
@@ -48,11 +58,6 @@ use crate::{
         GPU_PAGE_SIZE, //
     },
     reaper::ReapLink,
-    reg_lock::{
-        new_reg_lock,
-        RegLock,
-        RegLockBackend, //
-    },
     reg_ref::{
         RefCount,
         RegRef,
@@ -109,6 +114,12 @@ struct Inner {
 }
 
 /// One registration of a GPU range with the peer-memory core.
+///
+/// # Invariants
+///
+/// `mode` never changes, and `inner` is entered only through a [`Called`]
+/// of `mode`'s [`Access`], so always the same way (what [`RegState`]
+/// requires).
 #[pin_data]
 pub(crate) struct Registration {
     mode: Mode,
@@ -116,8 +127,9 @@ pub(crate) struct Registration {
     /// length in granules (a `u32` keeps the object within 144 bytes).
     start: u64,
     granules: u32,
+    /// Entered only through [`Called`], the way of `mode`.
     #[pin]
-    inner: RegLock<Inner>,
+    inner: RegState<Inner>,
     /// The scatterlist entry of a one-run mapping. Only the mapping being
     /// made or held by `inner` uses it (the lifecycle holds at most one,
     /// built in Mapping), and every mapping is dropped before the
@@ -144,6 +156,44 @@ pub(crate) struct Registration {
 #[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK)))]
 const _: () = assert!(core::mem::size_of::<Registration>() <= 144);
 
+/// A registration as a call of its client sees it: entered the `A` way.
+///
+/// # Invariants
+///
+/// `reg.mode` is `A::MODE`, so every `Called` of one registration enters its
+/// state the same way (what [`RegState::enter`] requires).
+pub(crate) struct Called<'a, A: Access> {
+    reg: &'a Registration,
+    _access: PhantomData<A>,
+}
+
+impl<A: Access> Clone for Called<'_, A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<A: Access> Copy for Called<'_, A> {}
+
+impl<A: Access> Deref for Called<'_, A> {
+    type Target = Registration;
+
+    #[inline(always)]
+    fn deref(&self) -> &Registration {
+        self.reg
+    }
+}
+
+impl<'a, A: Access> Called<'a, A> {
+    /// Enters the registration's state.
+    #[inline(always)]
+    fn enter(self) -> Entered<'a, Inner, A> {
+        // SAFETY: every `Called` of this registration has the `A` of its
+        // mode (type invariant), and `Called` is the only way in.
+        unsafe { self.reg.inner.enter::<A>() }
+    }
+}
+
 /// The pinning granule: ranges are widened to it.
 const GRANULE: u64 = range::granule(bindings::PAGE_SIZE as u64);
 
@@ -160,6 +210,32 @@ fn refused(r: Refusal, call: &str) -> Error {
 }
 
 impl Registration {
+    /// This registration as a call of the client of mode `A::MODE` sees
+    /// it, if it is of that mode.
+    #[inline(always)]
+    pub(crate) fn called<A: Access>(&self) -> Option<Called<'_, A>> {
+        // INVARIANT: the mode matches the `Access`.
+        (self.mode == A::MODE).then_some(Called {
+            reg: self,
+            _access: PhantomData,
+        })
+    }
+
+    /// This registration as a call of the client of mode `A::MODE` sees
+    /// it, without checking its mode.
+    ///
+    /// # Safety
+    ///
+    /// The registration's mode is `A::MODE`.
+    #[inline(always)]
+    pub(crate) unsafe fn called_unchecked<A: Access>(&self) -> Called<'_, A> {
+        // INVARIANT: the mode matches the `Access` (caller).
+        Called {
+            reg: self,
+            _access: PhantomData,
+        }
+    }
+
     /// The GPU range this registration pinned (the user's, widened to
     /// whole granules).
     fn range(&self) -> GpuRange {
@@ -226,14 +302,14 @@ impl Registration {
                     mode,
                     start: range.start,
                     granules,
-                    inner <- new_reg_lock!(Inner {
+                    inner <- RegState::new(Inner {
                         lc: $lc,
                         pin_error: $pin_error,
                         in_core: None,
                         mapper: false,
                         waiters: 0,
                         charge: None,
-                    }, c"Registration::inner"),
+                    }, c"Registration::inner", kernel::static_lock_class!()),
                     sg_slot: SgSlot::new(),
                     holds_map: Atomic::new(0),
                     refs: RefCount::new(),
@@ -247,9 +323,14 @@ impl Registration {
                 // Pinning starts before the object is shared (nobody else
                 // can see it yet, so no lock is needed to move it there).
                 let reg = spare.init(object!(Lifecycle::pinning(), None));
-                if let Err(e) = Self::pin(&reg) {
+                // INVARIANT: made in invalidating mode just above.
+                let called = Called::<Locked> {
+                    reg: &reg,
+                    _access: PhantomData,
+                };
+                if let Err(e) = called.pin(&reg) {
                     let e = Self::pin_refused(e, mode, &range)?;
-                    reg.inner.lock().pin_error = Some(e);
+                    called.enter().pin_error = Some(e);
                 }
                 reg
             }
@@ -301,40 +382,53 @@ impl Registration {
         }
     }
 
-    /// Pins the range with a free callback; the lifecycle is in Pinning
-    /// already (see `acquire`). The callback can run as soon as the provider
-    /// armed it, so the outcome is recorded under the lock.
-    fn pin(this: &RegRef) -> Result {
-        let owner = compat::current_tgid();
-        let pinned = p2p::get_pages(&this.range(), this).map(|(table, cb)| Pin {
-            table,
-            token: Some(cb),
-            owner,
-        });
-        let this: &Self = this;
-        let pin = match pinned {
-            Ok(p) => p,
-            Err(e) => {
-                this.inner.lock().lc.pin_failed();
-                return Err(e);
-            }
-        };
-        let took = this.inner.lock().lc.pin_succeeded(pin);
-        match took {
-            Ok(()) => {
-                STATS.pinned_bytes.add(this.range().len, Relaxed);
-                Ok(())
-            }
-            // The callback already ran and consumed the provider's reference;
-            // the table is the provider's to free: drop our handles only.
-            Err(_) => Err(fail!(
-                Cause::Revoked,
-                EFAULT,
-                "GPU memory freed while pinning"
-            )),
+    /// The GPU driver revoked the pages (see [`Called::revoke`]); only an
+    /// invalidating registration has a free callback.
+    pub(crate) fn revoke(&self) {
+        if let Some(c) = self.called::<Locked>() {
+            c.revoke();
         }
     }
 
+    /// Wakes the waiters of this registration, if any (the caller holds the
+    /// lock and changed what they wait for). The queue is the module's: the
+    /// waiters of other registrations wake too, find their condition
+    /// unchanged and sleep again.
+    fn wake(&self, g: &Inner) {
+        if g.waiters > 0 {
+            if let Some(q) = crate::waitq::queue() {
+                q.notify_all();
+            }
+        }
+    }
+
+    /// Unpins a persistent pin, whose lifecycle already ended, and releases
+    /// its count.
+    // Called from `release` only: inlined there.
+    #[inline(always)]
+    fn unpin_persistent(&self, table: PageTable, charge: Option<Charge>) {
+        // SAFETY: a persistent pin made by `acquire` for `self.range` (the
+        // lifecycle ends with `ended` only for a pin without a callback's
+        // token, which only `get_pages_persistent` gives), handed out once.
+        let res = unsafe { table.put_persistent(&self.range()) };
+        if let Some(c) = charge {
+            c.release(self.range().len);
+        }
+        STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
+        if let Err(e) = res {
+            STATS.leaked_pins.add(1, Relaxed);
+            fail!(
+                Cause::Unpin,
+                e,
+                "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
+                self.range().start,
+                self.range().len
+            );
+        }
+    }
+}
+
+impl<A: Access> Called<'_, A> {
     /// `get_pages`: the pin happened in `acquire`; check what the provider
     /// gave us and remember the core's id for the invalidate hook.
     pub(crate) fn get_pages(&self, addr: u64, size: u64, core_context: u64) -> Result {
@@ -345,7 +439,7 @@ impl Registration {
                 "get_pages for another range than acquired"
             ));
         }
-        let mut g = self.inner.lock();
+        let mut g = self.enter();
         if let Some(e) = g.pin_error {
             return Err(fail!(
                 Cause::Pin,
@@ -402,7 +496,7 @@ impl Registration {
         // `get_pages`.
         let first = unsafe { table.pages() }.physical_address(0).unwrap_or(0);
         let route = Route::of(first, &peer);
-        let persistent = self.mode == Mode::Persistent;
+        let persistent = A::MODE == Mode::Persistent;
         let made = route.admit().and_then(|()| {
             self.map_pages(table, peer, &route)
                 .inspect_err(|e| route.failed(*e, persistent))
@@ -430,7 +524,7 @@ impl Registration {
     /// alias does not outlive `dma_map`, except inside a persistent mapping,
     /// whose table is unpinned only after the mapping is dropped.
     fn start_map(&self) -> Result<PageTable> {
-        let mut g = self.inner.lock();
+        let mut g = self.enter();
         let t = g.lc.start_map().map_err(|r| refused(r, "dma_map"))?;
         // SAFETY: Bound became Mapping: the table is pinned, was checked by
         // `get_pages`, and outlives the alias (see above).
@@ -452,7 +546,7 @@ impl Registration {
         sg_head: *mut bindings::sg_table,
     ) -> Result<u32> {
         let lost = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             g.mapper = false;
             self.wake(&g);
             let map = match made {
@@ -494,7 +588,7 @@ impl Registration {
     /// the GPU driver for persistent ones.
     fn map_pages(&self, table: PageTable, peer: PeerDevice, route: &Route) -> Result<DeviceMap> {
         let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
-        match self.mode {
+        match A::MODE {
             Mode::Invalidating => {
                 // SAFETY: checked by `get_pages` and valid during `dma_map`
                 // (see there); the view does not outlive this block.
@@ -524,7 +618,7 @@ impl Registration {
     /// revoke (it is ours, never the GPU driver's).
     pub(crate) fn dma_unmap(&self) {
         let map = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             self.holds_map.store(0, Relaxed);
             g.lc.unmap()
         };
@@ -545,7 +639,7 @@ impl Registration {
             return;
         }
         let map = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             self.holds_map.store(0, Relaxed);
             g.lc.put_pages()
         };
@@ -553,23 +647,18 @@ impl Registration {
     }
 
     /// `release`: undoes whatever the core left and unpins if this process
-    /// may; the core's reference goes with `self`. Returns only once no free
-    /// callback of this registration is inside the core (the core may free
-    /// what that callback uses once we return), unless the caller is that
-    /// callback (OFED 4.x releases from inside its invalidate).
-    pub(crate) fn release(this: RegRef) {
-        this.release_held();
-        // The core's reference goes here.
-    }
-
-    /// `release`'s work, under the core's reference.
-    fn release_held(&self) {
+    /// may; the caller drops the core's reference after it. Returns only
+    /// once no free callback of this registration is inside the core (the
+    /// core may free what that callback uses once we return), unless the
+    /// caller is that callback (OFED 4.x releases from inside its
+    /// invalidate).
+    pub(crate) fn release(&self) {
         // No free callback is ever inside the core for a persistent
         // registration, and any process may unpin it: its release needs
         // neither the thread's nor the process's id.
-        let ids = (self.mode == Mode::Invalidating).then(compat::current_ids);
+        let ids = (A::MODE == Mode::Invalidating).then(compat::current_ids);
         let (r, charge) = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             if let Some((me, _)) = ids {
                 while g.in_core.is_some_and(|t| t != me) {
                     self.wait(&mut g);
@@ -600,55 +689,6 @@ impl Registration {
         STATS.releases.add(1, Relaxed);
     }
 
-    /// Waits on the module's queue (`core_left`), counted in `waiters` so
-    /// that wakers know. Whoever changes what the caller waits for does so
-    /// under this registration's lock and then wakes the queue.
-    fn wait(&self, g: &mut Guard<'_, Inner, RegLockBackend>) {
-        // Always there: a registration exists only while the queue does
-        // (checked by `acquire`; the queue goes only after the last one).
-        let Some(q) = crate::waitq::queue() else {
-            return;
-        };
-        g.waiters += 1;
-        q.wait(g);
-        g.waiters -= 1;
-    }
-
-    /// Wakes the waiters of this registration, if any (the caller holds the
-    /// lock and changed what they wait for). The queue is the module's: the
-    /// waiters of other registrations wake too, find their condition
-    /// unchanged and sleep again.
-    fn wake(&self, g: &Inner) {
-        if g.waiters > 0 {
-            if let Some(q) = crate::waitq::queue() {
-                q.notify_all();
-            }
-        }
-    }
-
-    /// Unpins a persistent pin, whose lifecycle already ended, and releases
-    /// its count.
-    fn unpin_persistent(&self, table: PageTable, charge: Option<Charge>) {
-        // SAFETY: a persistent pin made by `acquire` for `self.range` (the
-        // lifecycle ends with `ended` only for a pin without a callback's
-        // token, which only `get_pages_persistent` gives), handed out once.
-        let res = unsafe { table.put_persistent(&self.range()) };
-        if let Some(c) = charge {
-            c.release(self.range().len);
-        }
-        STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
-        if let Err(e) = res {
-            STATS.leaked_pins.add(1, Relaxed);
-            fail!(
-                Cause::Unpin,
-                e,
-                "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
-                self.range().start,
-                self.range().len
-            );
-        }
-    }
-
     /// Unpins a non-persistent pin at the provider and settles the
     /// callback's reference.
     fn unpin(&self, table: PageTable) {
@@ -658,7 +698,7 @@ impl Registration {
         // and only to the pinning process.
         let res = unsafe { table.put(&self.range()) };
         let (how, token, charge) = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             let (how, token) = g.lc.unpinned(res.is_ok());
             // A stranded pin stays counted until its callback.
             let charge = if how == Unpinned::Stranded {
@@ -695,19 +735,68 @@ impl Registration {
             // not race: the provider unlinked the pin under the lock it holds
             // across callbacks, so the callback never runs. Not the last
             // reference: our caller holds the core's.
-            drop(unsafe { cb.reclaim(self) });
+            drop(unsafe { cb.reclaim(self.reg) });
         }
+    }
+
+    /// Waits on the module's queue (`core_left`), counted in `waiters` so
+    /// that wakers know. Whoever changes what the caller waits for does so
+    /// under this registration's lock and then wakes the queue.
+    fn wait(&self, g: &mut Entered<'_, Inner, A>) {
+        // Always there: a registration exists only while the queue does
+        // (checked by `acquire`; the queue goes only after the last one).
+        let Some(q) = crate::waitq::queue() else {
+            return;
+        };
+        g.waiters += 1;
+        g.wait(q);
+        g.waiters -= 1;
     }
 }
 
-impl Registration {
+impl Called<'_, Locked> {
+    /// Pins the range with a free callback; the lifecycle is in Pinning
+    /// already (see `acquire`). The callback can run as soon as the provider
+    /// armed it, so the outcome is recorded under the lock.
+    ///
+    /// `this` is the object `self` borrows (the callback takes a reference).
+    fn pin(self, this: &RegRef) -> Result {
+        let owner = compat::current_tgid();
+        let pinned = p2p::get_pages(&self.range(), this).map(|(table, cb)| Pin {
+            table,
+            token: Some(cb),
+            owner,
+        });
+        let pin = match pinned {
+            Ok(p) => p,
+            Err(e) => {
+                self.enter().lc.pin_failed();
+                return Err(e);
+            }
+        };
+        let took = self.enter().lc.pin_succeeded(pin);
+        match took {
+            Ok(()) => {
+                STATS.pinned_bytes.add(self.range().len, Relaxed);
+                Ok(())
+            }
+            // The callback already ran and consumed the provider's reference;
+            // the table is the provider's to free: drop our handles only.
+            Err(_) => Err(fail!(
+                Cause::Revoked,
+                EFAULT,
+                "GPU memory freed while pinning"
+            )),
+        }
+    }
+
     /// The GPU driver revoked the pages: tell the core, which stops the device
     /// before we return (the provider frees everything right after), then
     /// undo our own mapping.
-    pub(crate) fn revoke(&self) {
+    fn revoke(self) {
         STATS.invalidations.add(1, Relaxed);
         let (action, had_pin, charge) = {
-            let mut g = self.inner.lock();
+            let mut g = self.enter();
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
             let (action, table) = g.lc.invalidate();
@@ -747,15 +836,14 @@ impl Registration {
                 // core did from inside its invalidate (legacy cores). The
                 // scatterlist stays until the core unmaps or releases.
                 let access = self
-                    .inner
-                    .lock()
+                    .enter()
                     .lc
                     .revoked_map_mut()
                     .and_then(DeviceMap::take_device_access);
                 if let Some(a) = access {
                     a.undo();
                 }
-                let mut g = self.inner.lock();
+                let mut g = self.enter();
                 g.in_core = None;
                 self.wake(&g);
             }

@@ -105,6 +105,10 @@ pub(crate) struct Stats {
     pub(crate) stranded_pins: Atomic<u64>,
     /// Persistent pins whose unpin failed (lost to the client).
     pub(crate) leaked_pins: Atomic<u64>,
+    /// Calls of the core that found a persistent registration busy with
+    /// another of its calls (see `access`): 0 unless the core breaks its
+    /// one-call-at-a-time order.
+    pub(crate) claim_waits: Atomic<u64>,
     failures: [Atomic<u64>; CAUSES],
     logged: [Atomic<u32>; CAUSES],
 }
@@ -128,6 +132,7 @@ impl Stats {
             orphaned_pins: Atomic::new(0),
             stranded_pins: Atomic::new(0),
             leaked_pins: Atomic::new(0),
+            claim_waits: Atomic::new(0),
             failures: [const { Atomic::new(0) }; CAUSES],
             logged: [const { Atomic::new(0) }; CAUSES],
         }
@@ -169,6 +174,7 @@ impl Stats {
             ("orphaned_pins", &self.orphaned_pins),
             ("stranded_pins", &self.stranded_pins),
             ("leaked_pins", &self.leaked_pins),
+            ("claim_waits", &self.claim_waits),
         ];
         for (name, v) in plain {
             writeln!(f, "{name} {}", v.load(Relaxed))?;

@@ -1172,3 +1172,79 @@ mod bar_window_tests {
         assert_eq!(high.segment(seg(0x38_0002_0000, 0x1_0000)), None);
     }
 }
+
+#[kunit_tests(nvidia_peermem_access)]
+mod access_tests {
+    use crate::{
+        access::{
+            Claimed,
+            Locked,
+            RegState, //
+        },
+        atomics::Relaxed,
+        stats::STATS,
+    };
+    use kernel::{
+        new_condvar,
+        prelude::*,
+        sync::CondVar, //
+    };
+
+    fn state() -> Result<Pin<KBox<RegState<u32>>>> {
+        KBox::pin_init(
+            RegState::new(0, c"access_tests", kernel::static_lock_class!()),
+            GFP_KERNEL,
+        )
+    }
+
+    #[test]
+    fn a_claimed_state_is_held_until_its_guard_drops() -> Result {
+        let st = state()?;
+        let waits = STATS.claim_waits.load(Relaxed);
+        assert!(!st.claim().is_held());
+        {
+            // SAFETY: this state is only entered the `Claimed` way.
+            let mut g = unsafe { st.enter::<Claimed>() };
+            assert!(st.claim().is_held());
+            *g = 5;
+        }
+        assert!(!st.claim().is_held());
+        // SAFETY: as above.
+        assert_eq!(*unsafe { st.enter::<Claimed>() }, 5);
+        assert!(!st.claim().is_held());
+        // Nobody else held it: no wait was counted.
+        assert_eq!(STATS.claim_waits.load(Relaxed), waits);
+        Ok(())
+    }
+
+    #[test]
+    fn a_wait_under_a_claim_gives_it_up_and_takes_it_back() -> Result {
+        let st = state()?;
+        let q = KBox::pin_init(new_condvar!("access_tests"), GFP_KERNEL)?;
+        let q: &CondVar = &q;
+        // SAFETY: this state is only entered the `Claimed` way.
+        let mut g = unsafe { st.enter::<Claimed>() };
+        *g = 1;
+        g.wait(q);
+        assert!(st.claim().is_held());
+        *g += 1;
+        drop(g);
+        assert!(!st.claim().is_held());
+        // SAFETY: as above.
+        assert_eq!(*unsafe { st.enter::<Claimed>() }, 2);
+        Ok(())
+    }
+
+    #[test]
+    fn a_locked_state_leaves_its_claim_alone() -> Result {
+        let st = state()?;
+        // SAFETY: this state is only entered the `Locked` way.
+        let mut g = unsafe { st.enter::<Locked>() };
+        *g = 3;
+        assert!(!st.claim().is_held());
+        drop(g);
+        // SAFETY: as above.
+        assert_eq!(*unsafe { st.enter::<Locked>() }, 3);
+        Ok(())
+    }
+}

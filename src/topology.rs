@@ -112,6 +112,8 @@ fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
 
 impl Route {
     /// The route of pages starting at bus address `phys` to `peer`.
+    // One call site per client mode: inlined into each `dma_map`.
+    #[inline(always)]
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
         let peer_id = peer.id();
         let Some(gpu) = accounting::gpu_by_phys(phys) else {
@@ -169,6 +171,8 @@ impl Route {
     }
 
     /// The path policy's verdict.
+    // One call site per client mode: inlined into each `dma_map`.
+    #[inline(always)]
     pub(crate) fn admit(&self) -> Result {
         let level = policy_level();
         let Some((pair, class)) = &self.pair else {
@@ -220,6 +224,8 @@ impl Route {
 
     /// Counts a mapped registration of `bytes` for the process `tgid` (the
     /// one that pinned it).
+    // One call site per client mode: inlined into each `dma_map`.
+    #[inline(always)]
     pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
         if !crate::accounting_parameter() {
             return None;

@@ -15,6 +15,13 @@ pub mod path;
 pub mod range;
 
 #[cfg(test)]
+mod atomics;
+#[cfg(test)]
+#[path = "../../../src/claim.rs"]
+mod claim;
+#[cfg(test)]
+mod claim_model;
+#[cfg(test)]
 mod loom_model;
 
 #[cfg(test)]

@@ -52,6 +52,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "pins whose unpin failed, waiting for the free callback",
     ),
     ("leaked_pins", "persistent pins whose unpin failed (lost)"),
+    (
+        "claim_waits",
+        "core calls that overlapped on a persistent registration (0 expected)",
+    ),
     ("fail_bad_range", "empty or overflowing range"),
     ("fail_pin", "GPU driver refused to pin"),
     ("fail_page_table", "unknown page table version or page size"),
