@@ -375,6 +375,56 @@ pub fn run(imp: &str, cost: &str, live_counts: &[u64]) -> Result<(), String> {
     Ok(())
 }
 
+/// One block of `make bench`'s interleaved measurement: the client's own
+/// time at 64 KiB and 2 MiB (zero-cost provider), in both modes, as the
+/// rounds measure it, with more registrations. Blocks of the two modules
+/// alternate seconds apart, so that each pair of blocks runs at one speed
+/// of TCG's (see `scripts/bench-report`). Emitted under cost `blocks`.
+pub fn run_block(imp: &str) -> Result<(), String> {
+    let g = Gpu::open()?;
+    let c = Core::open()?;
+    let flags = [("invalidating", PMC_REG_INVAL_SUPP), ("persistent", 0)];
+    let sizes: [(u64, usize, &str); 2] = [(K64, 300, "64K"), (2 * M, 150, "2M")];
+    let a = g.alloc(0, 2 * M).map_err(errno)?;
+    let own = || client_ns() - g.info().provider_ns as f64;
+    for (fname, f) in flags {
+        for (size, reps, sname) in sizes {
+            for _ in 0..reps.div_ceil(4) {
+                let h = c.reg(a.va, size, f).map_err(errno)?;
+                c.dereg(h).map_err(errno)?;
+            }
+            let (mut reg_own, mut dereg_own) = (Vec::new(), Vec::new());
+            set_timing(true)?;
+            for _ in 0..reps {
+                let o0 = own();
+                let h = c.reg(a.va, size, f).map_err(errno)?;
+                let o1 = own();
+                c.dereg(h).map_err(errno)?;
+                let o2 = own();
+                reg_own.push((o1 - o0) / 1e3);
+                dereg_own.push((o2 - o1) / 1e3);
+            }
+            set_timing(false)?;
+            let key = format!("{fname}/{sname}");
+            emit(
+                imp,
+                "blocks",
+                "register_client_own_us",
+                &key,
+                median(&mut reg_own),
+            );
+            emit(
+                imp,
+                "blocks",
+                "deregister_client_own_us",
+                &key,
+                median(&mut dereg_own),
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `count` registrations and deregistrations of `size` bytes, nothing else:
 /// what `make bench` profiles with ftrace.
 pub fn register_loop(size: u64, count: u64, mode: &str) -> Result<(), String> {

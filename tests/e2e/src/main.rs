@@ -191,6 +191,17 @@ fn main() {
                 }
             }
         }
+        Some("bench-block") => {
+            // bench-block <impl>: one block of the interleaved measurement.
+            let imp = std::env::args().nth(2).unwrap_or_else(|| "ours".into());
+            match bench::run_block(&imp) {
+                Ok(()) => std::process::exit(0),
+                Err(e) => {
+                    println!("BENCH-FAIL {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
         Some("bench") => {
             // bench <impl> <cost> <live counts, comma-separated>
             let a: Vec<String> = std::env::args().skip(2).collect();

@@ -27,11 +27,7 @@ use crate::{
         Resources, //
     },
 };
-use loom::{
-    cell::UnsafeCell,
-    sync::Arc,
-    thread,
-};
+use loom::{cell::UnsafeCell, sync::Arc, thread};
 use std::sync::atomic::{
     AtomicUsize,
     Ordering::Relaxed, //
