@@ -232,7 +232,7 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by `acquire`.
+/// `client_context` must be a live context returned by this client's `acquire`.
 unsafe extern "C" fn get_pages<A: Access>(
     addr: c_ulong,
     size: usize,
@@ -254,7 +254,7 @@ unsafe extern "C" fn get_pages<A: Access>(
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by `acquire`; `sg_head`
+/// `client_context` must be a live context returned by this client's `acquire`; `sg_head`
 /// the core's table for it and `nmap` NULL or valid; `dma_device` NULL or a
 /// device the core keeps alive while the registration is mapped.
 unsafe extern "C" fn dma_map<A: Access>(
@@ -285,7 +285,7 @@ unsafe extern "C" fn dma_map<A: Access>(
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by `acquire`.
+/// `client_context` must be a live context returned by this client's `acquire`.
 unsafe extern "C" fn dma_unmap<A: Access>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
@@ -300,7 +300,7 @@ unsafe extern "C" fn dma_unmap<A: Access>(
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by `acquire`.
+/// `client_context` must be a live context returned by this client's `acquire`.
 unsafe extern "C" fn put_pages<A: Access>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
@@ -324,7 +324,7 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by `acquire`, released
+/// `client_context` must be a live context returned by this client's `acquire`, released
 /// once.
 unsafe extern "C" fn release<A: Access>(client_context: *mut c_void) {
     // SAFETY: the core passes the context this client's `acquire` returned,
