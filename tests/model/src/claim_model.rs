@@ -178,38 +178,24 @@ fn claim_against_a_core_out_of_order() {
     println!("loom: claim: explored {n} interleavings (preemption bound 3)");
     assert!(n > 10, "the model explored too little: {n}");
 
-    let me = std::thread::current().id();
-    let show = std::env::var_os("PEERMEM_LOOM_SHOW_PANICS").is_some();
-    let prev = std::sync::Arc::new(std::panic::take_hook());
-    let fwd = std::sync::Arc::clone(&prev);
-    std::panic::set_hook(Box::new(move |info| {
-        if show || std::thread::current().id() != me {
-            fwd(info);
-        }
-    }));
     let mut report = Vec::new();
     let mut caught = 0;
-    for m in [Mutant::SplitExchange, Mutant::RelaxedOnly] {
-        let r = std::panic::catch_unwind(move || model(m)).map_err(|e| {
-            e.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default()
-        });
-        set_mutant(Mutant::None);
-        let line = match &r {
-            Ok(n) => format!("NOT caught: passed {n} interleavings"),
-            Err(e) => format!(
-                "caught after {} interleavings: {}",
-                EXPLORED.load(Relaxed),
-                e.lines().next().unwrap_or("")
-            ),
-        };
-        report.push(format!("{m:?}: {line}"));
-        caught += usize::from(r.is_err_and(|e| e.contains("Causality violation")));
-    }
-    let _ = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| prev(info)));
+    crate::mutants::quietly(|| {
+        for m in [Mutant::SplitExchange, Mutant::RelaxedOnly] {
+            let r = crate::mutants::caught(move || model(m));
+            set_mutant(Mutant::None);
+            let line = match &r {
+                Ok(n) => format!("NOT caught: passed {n} interleavings"),
+                Err(e) => format!(
+                    "caught after {} interleavings: {}",
+                    EXPLORED.load(Relaxed),
+                    e.lines().next().unwrap_or("")
+                ),
+            };
+            report.push(format!("{m:?}: {line}"));
+            caught += usize::from(r.is_err_and(|e| e.contains("Causality violation")));
+        }
+    });
     for line in &report {
         println!("loom: claim mutant {line}");
     }

@@ -23,6 +23,8 @@ mod claim;
 mod claim_model;
 #[cfg(test)]
 mod loom_model;
+#[cfg(test)]
+mod mutants;
 
 #[cfg(test)]
 mod tests {

@@ -688,12 +688,7 @@ fn preemption_bound() -> usize {
 /// Runs `sc` with `m`; the panic message if an interleaving failed.
 fn catch(sc: Scenario, m: Mutant) -> Result<usize, String> {
     let sc = Scenario { mutant: m, ..sc };
-    std::panic::catch_unwind(move || model(sc)).map_err(|e| {
-        e.downcast_ref::<String>()
-            .cloned()
-            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default()
-    })
+    crate::mutants::caught(move || model(sc))
 }
 
 // One test function: the models share EXPLORED and the panic hook.
@@ -718,18 +713,8 @@ fn free_callback_against_registration_and_teardown() {
         assert!(n > 10, "{}: the model explored too little: {n}", sc.name);
     }
 
-    // Every mutant must fail some interleaving, for the reason expected.
-    // Silence the expected panics of this thread only (loom runs the
-    // model's threads on it); PEERMEM_LOOM_SHOW_PANICS=1 shows them.
-    let me = std::thread::current().id();
-    let show = std::env::var_os("PEERMEM_LOOM_SHOW_PANICS").is_some();
-    let prev = std::sync::Arc::new(std::panic::take_hook());
-    let fwd = std::sync::Arc::clone(&prev);
-    std::panic::set_hook(Box::new(move |info| {
-        if show || std::thread::current().id() != me {
-            fwd(info);
-        }
-    }));
+    // Every mutant must fail some interleaving, for the reason expected
+    // (their panics silenced: `mutants::quietly`).
     // A second consumption of the callback's reference races with the first
     // (loom: causality violation) or finds it gone.
     let twice: &[&str] = &["Causality violation", "reference"];
@@ -745,21 +730,21 @@ fn free_callback_against_registration_and_teardown() {
     ];
     let mut caught = 0;
     let mut report = Vec::new();
-    for (sc, m, why) in mutants {
-        let r = catch(sc, m);
-        let line = match &r {
-            Ok(n) => format!("NOT caught: passed {n} interleavings"),
-            Err(e) => format!(
-                "caught after {} interleavings: {}",
-                EXPLORED.load(Relaxed),
-                e.lines().next().unwrap_or("")
-            ),
-        };
-        report.push(format!("{m:?} ({}): {line}", sc.name));
-        caught += usize::from(r.is_err_and(|e| why.iter().any(|w| e.contains(w))));
-    }
-    let _ = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| prev(info)));
+    crate::mutants::quietly(|| {
+        for (sc, m, why) in mutants {
+            let r = catch(sc, m);
+            let line = match &r {
+                Ok(n) => format!("NOT caught: passed {n} interleavings"),
+                Err(e) => format!(
+                    "caught after {} interleavings: {}",
+                    EXPLORED.load(Relaxed),
+                    e.lines().next().unwrap_or("")
+                ),
+            };
+            report.push(format!("{m:?} ({}): {line}", sc.name));
+            caught += usize::from(r.is_err_and(|e| why.iter().any(|w| e.contains(w))));
+        }
+    });
     for line in &report {
         println!("loom: mutant {line}");
     }
