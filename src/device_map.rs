@@ -4,9 +4,10 @@
 //! common case allows: every registration carries one in its lifecycle.
 //!
 //! A contiguous registration (one segment) keeps its mapping inline and its
-//! one scatterlist entry in the registration's slot; anything with several
-//! segments keeps its mapping and allocated scatterlist in an allocation of
-//! its own.
+//! one scatterlist entry in the registration's slot. With several segments,
+//! the GPU driver's mapping stays inline too and the slot holds the header
+//! of the allocated scatterlist; the client's own mappings of several BAR
+//! runs keep theirs and the scatterlist in an allocation of their own.
 
 use kernel::{
     bindings,
@@ -18,11 +19,11 @@ use crate::{
         BarMap,
         RunIova, //
     },
-    provider_map::{
-        ProviderMap,
-        ProviderRun, //
+    provider_map::ProviderRun,
+    sg::{
+        SgSlot,
+        SlotTable, //
     },
-    sg::SgSlot,
 };
 
 /// A registration's device mapping (the lifecycle's `Map`).
@@ -30,7 +31,8 @@ use crate::{
 /// # Invariants
 ///
 /// A `BarRun`, `Window` or `ProviderRun` map owns the registration's slot, which holds
-/// its one entry from the map's construction until it is dropped.
+/// its one entry from the map's construction until it is dropped; a
+/// `Provider` map's [`SlotTable`] is in the registration's slot.
 pub(crate) enum DeviceMap {
     /// The client's own mapping of one BAR run (non-persistent pins); `None`
     /// once the device lost access (the entry stays for the core).
@@ -43,8 +45,9 @@ pub(crate) enum DeviceMap {
     Bar(KBox<BarMap>),
     /// The GPU driver's mapping (persistent pins), one segment.
     ProviderRun(ProviderRun),
-    /// The GPU driver's mapping, several segments.
-    Provider(KBox<ProviderMap>),
+    /// The GPU driver's mapping, several segments (drop order: the mapping
+    /// is undone first, then the scatterlist freed).
+    Provider { _run: ProviderRun, sg: SlotTable },
 }
 
 // One registration carries one inline: keep it small.
@@ -88,11 +91,8 @@ impl DeviceMap {
                 unsafe { m.sg().publish(head) };
                 m.sg().nents()
             }
-            DeviceMap::Provider(m) => {
-                // SAFETY: as promised by the caller.
-                unsafe { m.sg().publish(head) };
-                m.sg().nents()
-            }
+            // SAFETY: as promised by the caller.
+            DeviceMap::Provider { sg, .. } => unsafe { sg.publish(head) },
         }
     }
 
@@ -105,7 +105,7 @@ impl DeviceMap {
             DeviceMap::Bar(m) => m.take_device_access().map(DeviceAccess::Runs),
             // The window stays: it gives an untranslated device nothing it
             // could not reach without it (see `bar_window`).
-            DeviceMap::Window | DeviceMap::ProviderRun(_) | DeviceMap::Provider(_) => None,
+            DeviceMap::Window | DeviceMap::ProviderRun(_) | DeviceMap::Provider { .. } => None,
         }
     }
 }

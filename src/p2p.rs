@@ -369,13 +369,14 @@ impl PageView<'_> {
 }
 
 impl DmaMapping {
-    /// Checks version, page size and entry count; returns the bus addresses,
-    /// one per 64 KiB page.
+    /// Checks version, page size and entry count: a mapping that passes is
+    /// one [`DmaMapping::addresses`] and [`DmaMapping::peer`] may read.
     ///
     /// # Safety
     ///
-    /// The mapping must still be valid, and stay so while the slice is used.
-    pub(crate) unsafe fn addresses(&self, entries: u32) -> Result<&[u64], Mismatch> {
+    /// The mapping must still be valid.
+    #[inline(always)]
+    pub(crate) unsafe fn check(&self, entries: u32) -> Result<(), Mismatch> {
         // SAFETY: valid per the caller's guarantee.
         let m = unsafe { self.0.as_ref() };
         if !dma_mapping_version_ok(m.version) {
@@ -387,8 +388,39 @@ impl DmaMapping {
         if m.entries != entries || m.dma_addresses.is_null() {
             return Err(Mismatch::Entries(m.entries));
         }
-        // SAFETY: the provider allocated `entries` addresses, valid as long as
-        // the mapping is.
-        Ok(unsafe { core::slice::from_raw_parts(m.dma_addresses, entries as usize) })
+        Ok(())
+    }
+
+    /// The bus addresses, one per 64 KiB page.
+    ///
+    /// # Safety
+    ///
+    /// The mapping must have passed [`DmaMapping::check`] and stay valid
+    /// while the slice is used.
+    #[inline(always)]
+    pub(crate) unsafe fn addresses(&self) -> &[u64] {
+        // SAFETY: valid per the caller's guarantee.
+        let m = unsafe { self.0.as_ref() };
+        // SAFETY: the provider allocated `entries` addresses (checked not
+        // null), valid as long as the mapping is.
+        unsafe { core::slice::from_raw_parts(m.dma_addresses, m.entries as usize) }
+    }
+
+    /// The device the mapping was made for. nvidia.ko records the `peer` of
+    /// `nvidia_p2p_dma_map_pages` in the mapping's `pci_dev`, undoes the
+    /// mapping's IOVAs for that device, and WARNs when the `peer` of
+    /// `nvidia_p2p_dma_unmap_pages` is another (nv-p2p.c:
+    /// `nv_p2p_dma_map_pages`, `nv_p2p_free_dma_mapping`,
+    /// `nvidia_p2p_dma_unmap_pages`; the testbed's provider does the same,
+    /// and a WARN fails every test boot).
+    ///
+    /// # Safety
+    ///
+    /// The mapping must have passed [`DmaMapping::check`] (a version with
+    /// `pci_dev`) and still be valid.
+    #[inline(always)]
+    pub(crate) unsafe fn peer(&self) -> *mut pci_dev {
+        // SAFETY: valid per the caller's guarantee.
+        unsafe { self.0.as_ref() }.pci_dev
     }
 }

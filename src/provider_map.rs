@@ -3,12 +3,7 @@
 //! The GPU driver's DMA mapping of a persistent pin, with the scatterlist
 //! built from it; undone through `nvidia_p2p_dma_unmap_pages` on drop.
 
-use core::ptr::NonNull;
-
-use kernel::{
-    bindings::pci_dev,
-    prelude::*, //
-};
+use kernel::prelude::*;
 
 use crate::{
     coalesce::{
@@ -23,10 +18,7 @@ use crate::{
     },
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
-    sg::{
-        SgSlot,
-        SgTable, //
-    },
+    sg::SgSlot,
     stats::{
         fail,
         Cause, //
@@ -40,10 +32,10 @@ use crate::{
 ///
 /// `table` aliases a persistent pin (no free callback can free it) that the
 /// registration unpins only after dropping this mapping; `mapping` was made
-/// from it for `pdev` and is undone once, on drop.
+/// from it, passed [`DmaMapping::check`], and is undone once, on drop, for
+/// the device it was made for.
 pub(crate) struct ProviderRun {
     mapping: Option<DmaMapping>,
-    pdev: NonNull<pci_dev>,
     table: PageTable,
 }
 
@@ -54,9 +46,11 @@ impl Drop for ProviderRun {
     #[inline]
     fn drop(&mut self) {
         let Some(m) = self.mapping.take() else { return };
-        // SAFETY: the table is still pinned (type invariant) and `m` was
-        // made from it for `pdev`.
-        if let Err(e) = unsafe { self.table.dma_unmap(self.pdev.as_ptr(), m) } {
+        // SAFETY: the table is still pinned and `m` was made from it and
+        // checked (type invariant), so it names the device it was made for.
+        let peer = unsafe { m.peer() };
+        // SAFETY: as above.
+        if let Err(e) = unsafe { self.table.dma_unmap(peer, m) } {
             // The table stays linked with the mapping; the unpin that follows
             // frees both at the provider.
             fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
@@ -65,6 +59,17 @@ impl Drop for ProviderRun {
 }
 
 impl ProviderRun {
+    /// The mapping's bus addresses, one per 64 KiB page.
+    #[inline(always)]
+    fn addresses(&self) -> &[u64] {
+        match &self.mapping {
+            // SAFETY: checked, and valid until this object undoes it (type
+            // invariant), which the borrow outlasts.
+            Some(m) => unsafe { m.addresses() },
+            None => &[],
+        }
+    }
+
     /// Hands the core the one-entry table of this mapping, in `slot`.
     ///
     /// # Safety
@@ -80,58 +85,48 @@ impl ProviderRun {
     }
 }
 
-/// The GPU driver's mapping with a scatterlist of several entries (pages
-/// that are not contiguous behind an IOMMU), in an allocation of its own.
-pub(crate) struct ProviderMap {
-    // Drop order: the mapping is undone first, then the scatterlist freed.
-    _run: ProviderRun,
-    sg: SgTable,
-}
-
-impl ProviderMap {
-    /// The scatterlist.
-    pub(crate) fn sg(&self) -> &SgTable {
-        &self.sg
-    }
-}
-
 /// Maps `table` (pinned persistently, `entries` pages) for `peer` through
-/// the GPU driver: one segment with its scatterlist entry in `slot`, or
-/// several.
+/// the GPU driver, with the scatterlist in `slot`: its one entry (one
+/// segment), or the header of an allocated table (several; the entries are
+/// allocated, no other object is).
 ///
 /// # Safety
 ///
 /// `table` is an alias of a persistent pin that stays pinned until the
 /// returned mapping is dropped; `slot` is as for [`SgSlot::fill`] and
-/// [`SgTable::new`].
+/// [`SgSlot::coalesced`].
 pub(crate) unsafe fn map(
     table: PageTable,
     entries: u32,
     peer: &PeerDevice,
     slot: &SgSlot,
 ) -> Result<DeviceMap> {
-    let pdev = NonNull::new(peer.pci()).ok_or(EINVAL)?;
+    let pdev = peer.pci();
+    if pdev.is_null() {
+        return Err(EINVAL);
+    }
     // SAFETY: the table is pinned (caller) and `peer` is live.
-    let mapping = unsafe { table.dma_map(pdev.as_ptr()) }
+    let mapping = unsafe { table.dma_map(pdev) }
         .map_err(|e| fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
-    // INVARIANT: the mapping was made for `pdev` from `table`; from here
-    // on an early return drops `run` and undoes it.
+    // SAFETY: the mapping was just made, valid until undone.
+    if let Err(m) = unsafe { mapping.check(entries) } {
+        // SAFETY: made just now from the pinned table for `pdev`.
+        if let Err(e) = unsafe { table.dma_unmap(pdev, mapping) } {
+            fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
+        }
+        return Err(fail!(
+            Cause::DmaMapping,
+            compat::eopnotsupp(),
+            "unsupported NVIDIA DMA mapping: {m:?}"
+        ));
+    }
+    // INVARIANT: made for `pdev` from `table` and checked; from here on an
+    // early return drops `run` and undoes it.
     let run = ProviderRun {
         mapping: Some(mapping),
-        pdev,
         table,
     };
-    let addrs = match run.mapping.as_ref() {
-        // SAFETY: the mapping is valid until dropped.
-        Some(m) => unsafe { m.addresses(entries) }.map_err(|m| {
-            fail!(
-                Cause::DmaMapping,
-                compat::eopnotsupp(),
-                "unsupported NVIDIA DMA mapping: {m:?}"
-            )
-        })?,
-        None => return Err(EINVAL),
-    };
+    let addrs = run.addresses();
     let max_seg = peer.max_segment();
     let first = match *addrs {
         // One page is one segment (a page is never longer than a segment
@@ -155,10 +150,8 @@ pub(crate) unsafe fn map(
     // One pass over the addresses: the table is sized for one entry per
     // page left (as many as the C module allocates), filled as the
     // segments are found.
-    let sg = SgTable::coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg)
+    // SAFETY: the slot is this mapping's (caller) and outlives it.
+    let sg = unsafe { slot.coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg) }
         .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
-    Ok(DeviceMap::Provider(KBox::new(
-        ProviderMap { _run: run, sg },
-        GFP_KERNEL,
-    )?))
+    Ok(DeviceMap::Provider { _run: run, sg })
 }

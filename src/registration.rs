@@ -130,7 +130,9 @@ pub(crate) struct Registration {
     /// Entered only through [`Called`], the way of `mode`.
     #[pin]
     inner: RegState<Inner>,
-    /// The scatterlist entry of a one-run mapping. Only the mapping being
+    /// The scatterlist entry of a one-run mapping, or the header of the
+    /// scatterlist of a persistent mapping of several runs (whose entries
+    /// are allocated; see `device_map`). Only the mapping being
     /// made or held by `inner` uses it (the lifecycle holds at most one,
     /// built in Mapping), and every mapping is dropped before the
     /// registration is freed (it lives in `inner` or in a local of a method).

@@ -3,6 +3,11 @@
 //! The scatterlist handed to the peer-memory core: one entry per
 //! DMA-contiguous segment of GPU pages.
 
+use core::{
+    mem::ManuallyDrop,
+    ptr::NonNull, //
+};
+
 use kernel::{
     bindings,
     prelude::*,
@@ -18,6 +23,13 @@ use crate::coalesce::{
 /// the next chunk of the table, or the table's last entry.
 const SG_CHAIN: kernel::ffi::c_ulong = 0x1;
 const SG_END: kernel::ffi::c_ulong = 0x2;
+
+/// The most entries `sg_alloc_table` puts in one chunk: a table of up to
+/// this many is one array, not chained (`SG_MAX_SINGLE_ALLOC`,
+/// include/linux/scatterlist.h; lib/scatterlist.c, `__sg_alloc_table`
+/// chains only when more entries are left than a chunk holds).
+const SG_MAX_SINGLE_ALLOC: usize =
+    kernel::page::PAGE_SIZE / core::mem::size_of::<bindings::scatterlist>();
 
 /// The entry after `sg` in its table: the kernel's `sg_next` for an entry
 /// that is not the last, inline (the kernel's is a call per entry, through a
@@ -53,13 +65,56 @@ unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
 #[inline(always)]
 unsafe fn set_dma(sg: *mut bindings::scatterlist, seg: Segment) -> Result {
     let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+    // SAFETY: as promised by the caller.
+    unsafe { write_dma(sg, seg.addr, len) };
+    Ok(())
+}
+
+/// [`set_dma`] for a length already known to fit.
+///
+/// # Safety
+///
+/// As for [`set_dma`].
+#[inline(always)]
+unsafe fn write_dma(sg: *mut bindings::scatterlist, addr: u64, len: u32) {
     // SAFETY: as promised by the caller; `offset` is 0 already.
     unsafe {
         (*sg).length = len;
-        (*sg).dma_address = seg.addr;
+        (*sg).dma_address = addr;
         (*sg).dma_length = len;
     }
-    Ok(())
+}
+
+/// Calls `put` with each run of pages of `page` bytes at the DMA addresses
+/// `addrs` that follow each other, in order, as
+/// [`Coalescer`](crate::coalesce::Coalescer) makes them (up to
+/// [`segment_limit`]`(max_seg, page)` bytes each, which a scatterlist
+/// length holds): one compare per page that continues a run, one call per
+/// run. Refuses an empty list and a page a scatterlist entry cannot
+/// describe.
+#[inline(always)]
+fn for_each_run(
+    addrs: &[u64],
+    page: u64,
+    max_seg: u64,
+    mut put: impl FnMut(u64, u32) -> Result,
+) -> Result {
+    let (&first, rest) = addrs.split_first().ok_or(EINVAL)?;
+    let limit = segment_limit(max_seg, page);
+    // A run is at most `limit` bytes, which is at most `u32::MAX` unless a
+    // page alone is longer: checked once here, not per run.
+    u32::try_from(limit).map_err(|_| EINVAL)?;
+    let (mut addr, mut len) = (first, page);
+    for &a in rest {
+        if addr.checked_add(len) == Some(a) && len + page <= limit {
+            len += page;
+            continue;
+        }
+        // `len <= limit <= u32::MAX` (above).
+        put(addr, len as u32)?;
+        (addr, len) = (a, page);
+    }
+    put(addr, len as u32)
 }
 
 /// Where the next segment goes in a table being filled, and how many
@@ -115,9 +170,18 @@ impl Cursor {
     }
 }
 
-/// Room for a one-entry scatterlist inside a registration: a contiguous
-/// registration (the common case) needs no allocation for its table.
-pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
+/// What a slot holds: the entry of a one-entry table, or the header of an
+/// allocated one ([`SlotTable`]).
+#[repr(C)]
+union SlotData {
+    entry: ManuallyDrop<bindings::scatterlist>,
+    table: ManuallyDrop<bindings::sg_table>,
+}
+
+/// Room inside a registration for a one-entry scatterlist, or for the
+/// header of a longer one: a contiguous registration (the common case)
+/// needs no allocation for its table, and a longer one only its entries'.
+pub(crate) struct SgSlot(Opaque<SlotData>);
 
 // SAFETY: the slot is written only through an `SgTable` being built, and its
 // owner serializes that (the `SgTable::new` contract); it is read by the
@@ -144,13 +208,49 @@ impl SgSlot {
         unsafe { set_dma(self.reset(), seg) }
     }
 
+    /// The slot as a one-entry table's entry.
+    fn entry(&self) -> *mut bindings::scatterlist {
+        // A `repr(C)` union: every field is at its start.
+        self.0.get().cast()
+    }
+
+    /// The slot as an allocated table's header.
+    fn header(&self) -> *mut bindings::sg_table {
+        // As above.
+        self.0.get().cast()
+    }
+
+    /// Builds an allocated table as [`SgTable::coalesced`] does and keeps
+    /// its header in the slot.
+    ///
+    /// # Safety
+    ///
+    /// The slot must outlive the returned table, and nothing else may write
+    /// or publish it while the returned table lives.
+    pub(crate) unsafe fn coalesced(
+        &self,
+        cap: usize,
+        addrs: &[u64],
+        page: u64,
+        max_seg: u64,
+    ) -> Result<SlotTable> {
+        let t = ManuallyDrop::new(SgTable::coalesced(cap, addrs, page, max_seg)?);
+        // SAFETY: the slot is ours to write (caller); the header is a plain
+        // value whose entries are elsewhere, now owned by the `SlotTable`.
+        unsafe { self.header().write(t.table) };
+        // INVARIANT: the slot holds the header of an allocated table
+        // (`coalesced` allocates at least two entries), which nothing else
+        // frees (`t` is not dropped); it outlives the result (caller).
+        Ok(SlotTable(NonNull::from(self)))
+    }
+
     /// Makes the slot an empty one-entry list and returns its entry.
     ///
     /// # Safety
     ///
     /// Nothing else may write or read the slot meanwhile.
     unsafe fn reset(&self) -> *mut bindings::scatterlist {
-        let sg = self.0.get();
+        let sg = self.entry();
         // SAFETY: ours to write (caller); a zeroed entry with the end mark
         // (bit 1 of `page_link`, `sg_mark_end`) is a one-entry list.
         unsafe {
@@ -171,12 +271,52 @@ impl SgSlot {
     pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) -> u32 {
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
-        table.sgl = self.0.get();
+        table.sgl = self.entry();
         table.nents = 1;
         table.orig_nents = 1;
         // SAFETY: per the caller's guarantee.
         unsafe { *head = table };
         1
+    }
+}
+
+/// An allocated scatterlist whose header is kept in a registration's
+/// [`SgSlot`]; freed on drop.
+///
+/// # Invariants
+///
+/// The slot outlives this object and holds the header of a table set up by
+/// `sg_alloc_table` for two or more entries, filled as an [`SgTable`]'s,
+/// that nothing else writes or frees while this object lives; it is freed
+/// exactly once, on drop.
+pub(crate) struct SlotTable(NonNull<SgSlot>);
+
+// SAFETY: the table is plain memory owned by this object, its header in a
+// slot only this object uses while it lives.
+unsafe impl Send for SlotTable {}
+
+impl SlotTable {
+    /// Hands a copy of the header to the core's `head`; returns its number
+    /// of entries.
+    ///
+    /// # Safety
+    ///
+    /// `head` must point to the core's table for this registration.
+    #[inline]
+    pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) -> u32 {
+        // SAFETY: the slot is alive and holds the header (type invariant).
+        let table = unsafe { *self.0.as_ref().header() };
+        // SAFETY: per the caller's guarantee.
+        unsafe { *head = table };
+        table.nents
+    }
+}
+
+impl Drop for SlotTable {
+    fn drop(&mut self) {
+        // SAFETY: the slot is alive, holds the header of an allocated table
+        // not freed before (type invariant; this runs once).
+        unsafe { bindings::sg_free_table(self.0.as_ref().header()) };
     }
 }
 
@@ -248,11 +388,9 @@ impl SgTable {
     /// `nents`).
     pub(crate) fn coalesced(cap: usize, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
         let cap32 = u32::try_from(cap).map_err(|_| EINVAL)?;
-        let (&first, rest) = addrs.split_first().ok_or(EINVAL)?;
-        if cap < 2 {
+        if cap < 2 || addrs.is_empty() {
             return Err(EINVAL);
         }
-        let limit = segment_limit(max_seg, page);
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
         // SAFETY: `table` is a valid, empty table.
@@ -262,21 +400,33 @@ impl SgTable {
         // INVARIANT: allocated above, freed on drop (also on the errors
         // below).
         let mut this = Self { table };
-        // SAFETY: just set up; only the cursor writes it.
-        let mut at = unsafe { Cursor::new(&this.table) };
-        // One compare per page that continues the run; an entry written per
-        // run (this loop runs once per 64 KiB page of up to 1 GiB).
-        let (mut addr, mut len) = (first, page);
-        for &a in rest {
-            if addr.checked_add(len) == Some(a) && len + page <= limit {
-                len += page;
-                continue;
-            }
-            at.put(Segment { addr, len })?;
-            (addr, len) = (a, page);
-        }
-        at.put(Segment { addr, len })?;
-        this.table.nents = at.filled;
+        let filled = if cap <= SG_MAX_SINGLE_ALLOC {
+            // One chunk: the entries are one array (see
+            // `SG_MAX_SINGLE_ALLOC`), filled without looking for links.
+            // SAFETY: `sg_alloc_table` just set up `cap` zeroed entries in
+            // one allocation at `sgl`; nothing else uses them meanwhile.
+            let entries = unsafe { core::slice::from_raw_parts_mut(this.table.sgl, cap) };
+            let mut free = entries.iter_mut();
+            for_each_run(addrs, page, max_seg, |addr, len| {
+                let e = free.next().ok_or(EINVAL)?;
+                // SAFETY: a zeroed entry of the table, written once.
+                unsafe { write_dma(e, addr, len) };
+                Ok(())
+            })?;
+            // At most `cap`, which fits a `u32` (above).
+            (cap - free.len()) as u32
+        } else {
+            // SAFETY: just set up; only the cursor writes it.
+            let mut at = unsafe { Cursor::new(&this.table) };
+            for_each_run(addrs, page, max_seg, |addr, len| {
+                at.put(Segment {
+                    addr,
+                    len: len.into(),
+                })
+            })?;
+            at.filled
+        };
+        this.table.nents = filled;
         Ok(this)
     }
 

@@ -1049,6 +1049,45 @@ mod sg_tests {
         Ok(())
     }
 
+    /// A persistent mapping of several runs keeps its table's header in the
+    /// registration's slot: what the core is handed is the table built, the
+    /// slot is overwritten by nothing else, and dropping the table frees
+    /// its entries (kmemleak and KASAN on the debug kernel) and only them.
+    #[test]
+    fn a_coalesced_table_can_live_in_the_slot() -> Result {
+        const P: u64 = 0x1_0000;
+        let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
+        let slot_ptr = core::ptr::from_ref(&*slot).cast::<bindings::sg_table>();
+        // Shuffled pages, as behind an IOMMU, then a run of two.
+        let addrs = [0x30_0000, 0x10_0000, 0x50_0000, 0x51_0000];
+        for cap in [4usize, 300] {
+            // SAFETY: the slot outlives the table; nothing else uses it.
+            let t = unsafe { slot.coalesced(cap, &addrs, P, 1 << 31) }?;
+            // SAFETY: an all-zero header is a valid value to overwrite.
+            let mut h: bindings::sg_table = unsafe { core::mem::zeroed() };
+            // SAFETY: `h` is a valid header to write.
+            assert_eq!(unsafe { t.publish(&mut h) }, 3);
+            assert_eq!((h.nents, h.orig_nents), (3, cap as u32));
+            // The slot holds that very header.
+            // SAFETY: the slot is alive; the table only reads it.
+            let in_slot = unsafe { *slot_ptr };
+            assert_eq!((in_slot.sgl, in_slot.nents), (h.sgl, 3));
+            assert_ne!(h.sgl.cast_const(), slot_ptr.cast());
+            let mut e = h.sgl;
+            for s in [seg(0x30_0000, P), seg(0x10_0000, P), seg(0x50_0000, 2 * P)] {
+                // SAFETY: one of the table's first three entries.
+                let r = unsafe { &*e };
+                assert_eq!((r.dma_address, u64::from(r.dma_length)), (s.addr, s.len));
+                // SAFETY: as above; not the last entry (`cap` > 3).
+                e = unsafe { bindings::sg_next(e) };
+            }
+        }
+        // A failed build leaves nothing behind: more runs than entries.
+        // SAFETY: as above.
+        assert!(unsafe { slot.coalesced(2, &addrs, P, 1 << 31) }.is_err());
+        Ok(())
+    }
+
     #[test]
     fn several_segments_are_allocated_and_the_slot_is_untouched() -> Result {
         let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
