@@ -70,6 +70,8 @@ fn contended(claim: &Claim) -> ClaimGuard<'_> {
 pub(crate) trait Access {
     /// The registrations entered this way.
     const MODE: Mode;
+    /// The way of the other mode.
+    type Other: Access;
     /// What is held while inside.
     type Held<'a>;
     /// Enters by `lock` or by `claim`.
@@ -87,6 +89,7 @@ pub(crate) enum Claimed {}
 
 impl Access for Locked {
     const MODE: Mode = Mode::Invalidating;
+    type Other = Claimed;
     type Held<'a> = Guard<'a, (), RegLockBackend>;
 
     #[inline(always)]
@@ -101,6 +104,7 @@ impl Access for Locked {
 
 impl Access for Claimed {
     const MODE: Mode = Mode::Persistent;
+    type Other = Locked;
     type Held<'a> = ClaimGuard<'a>;
 
     #[inline(always)]

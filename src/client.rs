@@ -2,7 +2,7 @@
 
 //! The peer-memory clients (`nv_mem`, `nv_mem_nc`): the C function tables the
 //! core calls, and their trampolines from raw C arguments to
-//! [`Registration`] and [`Called`] methods and back to errno values.
+//! [`Registration`] and [`Called`](crate::registration::Called) methods and back to errno values.
 
 use core::ptr::NonNull;
 
@@ -28,7 +28,6 @@ use crate::{
     ffi,
     reg_ref::RegRef,
     registration::{
-        Called,
         Mode,
         Registration, //
     },
@@ -167,24 +166,41 @@ impl Drop for CoreRegistration {
     }
 }
 
-/// Borrows the registration behind `ctx` as a call of client `A` sees it.
+/// The registration behind `ctx`, and whether client `A` enters it its
+/// own way: if not, another client's `acquire` made it, and the caller
+/// serves the call as that client would (a registration is always entered
+/// the way of its own mode).
+///
+/// OFED's core calls a registration only through the client whose `acquire`
+/// made it: it keeps that client with the umem (real-driver-behaviour.md,
+/// facts 11 to 14). This is checked rather than trusted, as the C module's
+/// shared context tolerates a core that mixes the two: one compare of the
+/// registration's mode per call. The `crossed_clients` scenario runs a core
+/// that mixes them.
 ///
 /// # Safety
 ///
-/// `ctx` must be a `client_context` that the `acquire` of a client whose
-/// registrations are entered the `A` way (see `table`) returned, and that
-/// the core has not yet passed to `release`.
+/// `ctx` must be a `client_context` that an `acquire` of this module's
+/// clients returned and that the core has not yet passed to `release`.
 #[inline(always)]
-unsafe fn called<'a, A: Access>(ctx: *mut c_void) -> Called<'a, A> {
+unsafe fn called<'a, A: Access>(ctx: *mut c_void) -> (&'a Registration, bool) {
     // SAFETY: `ctx` came from `into_raw` of a reference the core still owns
     // (caller).
     let reg = unsafe { RegRef::borrow(ctx) };
-    // SAFETY: that client's `acquire` made it in mode `A::MODE` (caller; the
-    // tables pair `acquire::<true>` with `Locked` and `acquire::<false>`
-    // with `Claimed`). The core calls a registration only through the client
-    // whose `acquire` made it: it keeps that client with the umem
-    // (real-driver-behaviour.md, facts 11 to 14).
-    unsafe { reg.called_unchecked::<A>() }
+    (reg, reg.mode() == A::MODE)
+}
+
+/// Serves a call that came through the other client: counts it, says so
+/// the first time, and runs `serve` (the other client's trampoline). Out of
+/// line, as the last thing its caller does: the common path saves nothing
+/// for it.
+#[cold]
+#[inline(never)]
+fn crossed<R>(serve: impl FnOnce() -> R) -> R {
+    if STATS.crossed_calls.fetch_add(1, Relaxed) == 0 {
+        pr_warn!("the RDMA core called a registration through another client than the one that made it; each such call is served as the registration's own client's\n");
+    }
+    serve()
 }
 
 /// `acquire`: claims the range if it is GPU memory the provider can pin.
@@ -228,11 +244,11 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     }
 }
 
-/// `get_pages`: see [`Called::get_pages`].
+/// `get_pages`: see [`Called::get_pages`](crate::registration::Called::get_pages).
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by this client's `acquire`.
+/// `client_context` must be a live context returned by an `acquire` of this module's clients.
 unsafe extern "C" fn get_pages<A: Access>(
     addr: c_ulong,
     size: usize,
@@ -242,19 +258,35 @@ unsafe extern "C" fn get_pages<A: Access>(
     client_context: *mut c_void,
     core_context: u64,
 ) -> c_int {
-    // SAFETY: the core passes the context this client's `acquire` returned.
-    let reg = unsafe { called::<A>(client_context) };
+    // SAFETY: the core passes a context of this module's (caller).
+    let (reg, own) = unsafe { called::<A>(client_context) };
+    if !own {
+        // SAFETY: as for this call; the other mode's way is the context's.
+        return crossed(move || unsafe {
+            get_pages::<A::Other>(
+                addr,
+                size,
+                _write,
+                _force,
+                _sg_head,
+                client_context,
+                core_context,
+            )
+        });
+    }
+    // SAFETY: of mode `A::MODE` (just checked).
+    let reg = unsafe { reg.called_unchecked::<A>() };
     match reg.get_pages(addr as u64, size as u64, core_context) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
 }
 
-/// `dma_map`: see [`Called::dma_map`].
+/// `dma_map`: see [`Called::dma_map`](crate::registration::Called::dma_map).
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by this client's `acquire`; `sg_head`
+/// `client_context` must be a live context returned by an `acquire` of this module's clients; `sg_head`
 /// the core's table for it and `nmap` NULL or valid; `dma_device` NULL or a
 /// device the core keeps alive while the registration is mapped.
 unsafe extern "C" fn dma_map<A: Access>(
@@ -264,11 +296,22 @@ unsafe extern "C" fn dma_map<A: Access>(
     _dmasync: c_int,
     nmap: *mut c_int,
 ) -> c_int {
-    if sg_head.is_null() || nmap.is_null() {
-        return EINVAL.to_errno();
+    if sg_head.is_null() {
+        return no_table();
     }
-    // SAFETY: the core passes the context this client's `acquire` returned.
-    let reg = unsafe { called::<A>(client_context) };
+    if nmap.is_null() {
+        return no_table();
+    }
+    // SAFETY: the core passes a context of this module's (caller).
+    let (reg, own) = unsafe { called::<A>(client_context) };
+    if !own {
+        // SAFETY: as for this call; the other mode's way is the context's.
+        return crossed(move || unsafe {
+            dma_map::<A::Other>(sg_head, client_context, dma_device, _dmasync, nmap)
+        });
+    }
+    // SAFETY: of mode `A::MODE` (just checked).
+    let reg = unsafe { reg.called_unchecked::<A>() };
     // SAFETY: `sg_head` is the core's table for this registration and the core
     // keeps `dma_device` alive while the registration is mapped.
     match unsafe { reg.dma_map(sg_head, dma_device) } {
@@ -281,32 +324,72 @@ unsafe extern "C" fn dma_map<A: Access>(
     }
 }
 
-/// `dma_unmap`: see [`Called::dma_unmap`].
+/// `dma_map` without a table or a count to fill: refused.
+#[cold]
+fn no_table() -> c_int {
+    EINVAL.to_errno()
+}
+
+/// `dma_unmap`: see [`Called::dma_unmap`](crate::registration::Called::dma_unmap).
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by this client's `acquire`.
+/// `client_context` must be a live context returned by an `acquire` of this module's clients.
 unsafe extern "C" fn dma_unmap<A: Access>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     _dma_device: *mut bindings::device,
 ) -> c_int {
-    // SAFETY: the core passes the context this client's `acquire` returned.
-    unsafe { called::<A>(client_context) }.dma_unmap();
+    // SAFETY: the core passes a context of this module's (caller).
+    let (reg, own) = unsafe { called::<A>(client_context) };
+    if !own {
+        // SAFETY: as for this call; the other mode's way is the context's.
+        return crossed(move || unsafe {
+            dma_unmap::<A::Other>(_sg_head, client_context, _dma_device)
+        });
+    }
+    // SAFETY: of mode `A::MODE` (just checked).
+    unsafe { reg.called_unchecked::<A>() }.dma_unmap();
     0
 }
 
-/// `put_pages`: see [`Called::put_pages`].
+/// `put_pages`: see [`Called::put_pages`](crate::registration::Called::put_pages).
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by this client's `acquire`.
+/// `client_context` must be a live context returned by an `acquire` of this module's clients.
 unsafe extern "C" fn put_pages<A: Access>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
 ) {
-    // SAFETY: the core passes the context this client's `acquire` returned.
-    unsafe { called::<A>(client_context) }.put_pages();
+    // SAFETY: `client_context` came from `into_raw` of a reference the core
+    // still owns (caller).
+    let reg = unsafe { RegRef::borrow(client_context) };
+    if reg.put_pages_needed() {
+        // SAFETY: as for this call.
+        unsafe { put_held_pages::<A>(_sg_head, client_context) };
+    }
+}
+
+/// `put_pages` of a registration that holds a mapping (the core's unusual
+/// order); out of line, so that the usual call saves nothing.
+///
+/// # Safety
+///
+/// As for [`put_pages`].
+#[inline(never)]
+unsafe fn put_held_pages<A: Access>(
+    _sg_head: *mut bindings::sg_table,
+    client_context: *mut c_void,
+) {
+    // SAFETY: the core passes a context of this module's (caller).
+    let (reg, own) = unsafe { called::<A>(client_context) };
+    if !own {
+        // SAFETY: as for this call; the other mode's way is the context's.
+        return crossed(move || unsafe { put_pages::<A::Other>(_sg_head, client_context) });
+    }
+    // SAFETY: of mode `A::MODE` (just checked).
+    unsafe { reg.called_unchecked::<A>() }.put_pages();
 }
 
 /// `get_page_size`: the granule of every entry we build.
@@ -320,16 +403,23 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
     crate::range::granule(bindings::PAGE_SIZE as u64) as c_ulong
 }
 
-/// `release`: see [`Called::release`].
+/// `release`: see [`Called::release`](crate::registration::Called::release).
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by this client's `acquire`, released
+/// `client_context` must be a live context returned by an `acquire` of this module's clients, released
 /// once.
 unsafe extern "C" fn release<A: Access>(client_context: *mut c_void) {
-    // SAFETY: the core passes the context this client's `acquire` returned,
-    // and keeps its reference until we take it back below.
-    unsafe { called::<A>(client_context) }.release();
+    // SAFETY: the core passes a context of this module's (caller), and
+    // keeps its reference until we take it back below.
+    let (reg, own) = unsafe { called::<A>(client_context) };
+    if !own {
+        // SAFETY: as for this call; the other mode's way is the context's,
+        // and it takes the core's reference back.
+        return crossed(move || unsafe { release::<A::Other>(client_context) });
+    }
+    // SAFETY: of mode `A::MODE` (just checked).
+    unsafe { reg.called_unchecked::<A>() }.release();
     // SAFETY: that context, passed to `release` once, here: the core's
     // reference comes back and goes.
     drop(unsafe { RegRef::from_raw(client_context) });

@@ -64,10 +64,9 @@ impl GpuRange {
 
     /// Whether `[addr, addr + size)` lies inside this range.
     pub(crate) fn covers(&self, addr: u64, size: u64) -> bool {
-        match addr.checked_add(size) {
-            Some(end) => addr >= self.start && end <= self.start + self.len,
-            None => false,
-        }
+        // The offset of `addr` in the range and the room after it: no sum
+        // that could overflow (each subtraction is guarded by its compare).
+        addr >= self.start && size <= self.len && addr - self.start <= self.len - size
     }
 }
 

@@ -238,6 +238,24 @@ impl Registration {
         }
     }
 
+    /// The mode of the client whose `acquire` made this registration.
+    #[inline(always)]
+    pub(crate) fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Whether `put_pages` has anything to do: not without a mapping (the
+    /// core's usual order is `dma_unmap`, then `put_pages`), which this
+    /// tells without entering the registration's state, whatever its mode.
+    /// A mapping is installed only by `dma_map`, which the core does not run
+    /// concurrently with `put_pages` of the same registration; if a core
+    /// did, skipping is the same as running just before the install, and
+    /// `dma_unmap` or `release` (which always takes the mapping) undoes it.
+    #[inline(always)]
+    pub(crate) fn put_pages_needed(&self) -> bool {
+        self.holds_map.load(Relaxed) != 0
+    }
+
     /// The GPU range this registration pinned (the user's, widened to
     /// whole granules).
     fn range(&self) -> GpuRange {
@@ -628,18 +646,9 @@ impl<A: Access> Called<'_, A> {
     }
 
     /// `put_pages`: as `dma_unmap`; the unpin waits for `release` (see
-    /// [`Lifecycle::put_pages`]).
-    ///
-    /// Without a mapping (the core's usual order: `dma_unmap`, then
-    /// `put_pages`) it returns without the lock. A mapping is installed only
-    /// by `dma_map`, which the core does not run concurrently with
-    /// `put_pages` of the same registration; if a core did, skipping is the
-    /// same as running just before the install, and `dma_unmap` or
-    /// `release` (which always takes the mapping) undoes it.
+    /// [`Lifecycle::put_pages`]). The caller skips it when
+    /// [`Registration::put_pages_needed`] says so.
     pub(crate) fn put_pages(&self) {
-        if self.holds_map.load(Relaxed) == 0 {
-            return;
-        }
         let map = {
             let mut g = self.enter();
             self.holds_map.store(0, Relaxed);

@@ -109,6 +109,10 @@ pub(crate) struct Stats {
     /// another of its calls (see `access`): 0 unless the core breaks its
     /// one-call-at-a-time order.
     pub(crate) claim_waits: Atomic<u64>,
+    /// Calls of the core on a registration through the other client of the
+    /// module than the one whose `acquire` made it (see `client::called`):
+    /// 0 with a core that keeps a registration's client, as OFED's does.
+    pub(crate) crossed_calls: Atomic<u64>,
     failures: [Atomic<u64>; CAUSES],
     logged: [Atomic<u32>; CAUSES],
 }
@@ -133,6 +137,7 @@ impl Stats {
             stranded_pins: Atomic::new(0),
             leaked_pins: Atomic::new(0),
             claim_waits: Atomic::new(0),
+            crossed_calls: Atomic::new(0),
             failures: [const { Atomic::new(0) }; CAUSES],
             logged: [const { Atomic::new(0) }; CAUSES],
         }
@@ -175,6 +180,7 @@ impl Stats {
             ("stranded_pins", &self.stranded_pins),
             ("leaked_pins", &self.leaked_pins),
             ("claim_waits", &self.claim_waits),
+            ("crossed_calls", &self.crossed_calls),
         ];
         for (name, v) in plain {
             writeln!(f, "{name} {}", v.load(Relaxed))?;

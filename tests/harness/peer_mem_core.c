@@ -154,12 +154,23 @@ module_param_cb(variant, &variant_ops, &core_variant, 0644);
 MODULE_PARM_DESC(variant,
 		 "0: OFED >= 5.5 core; 1: OFED 4.x core for clients without PEER_MEM_INVALIDATE_UNMAPS (read at each registration)");
 
+/*
+ * A core that breaks fact 11: every call on a umem after acquire goes through
+ * another registered client's table than the one whose acquire claimed it
+ * (the real core keeps the umem's client). Counted in crossed_umems.
+ */
+static bool cross_clients;
+module_param(cross_clients, bool, 0644);
+MODULE_PARM_DESC(cross_clients,
+		 "call each new umem through another client's table than the acquiring one (a broken core)");
+
 static bool memlock_ignore_cap;
 module_param(memlock_ignore_cap, bool, 0644);
 MODULE_PARM_DESC(memlock_ignore_cap,
 		 "enforce RLIMIT_MEMLOCK even with CAP_IPC_LOCK (lets a root test hit the limit)");
 
 static atomic64_t st_memlock_refusals, st_failed_after_map, st_activate_refusals;
+static atomic64_t st_crossed_umems;
 
 static int stat_get(char *buf, const struct kernel_param *kp)
 {
@@ -171,6 +182,8 @@ module_param_cb(memlock_refusals, &stat_ops, &st_memlock_refusals, 0444);
 MODULE_PARM_DESC(memlock_refusals, "registrations refused by RLIMIT_MEMLOCK (EPERM or ENOMEM)");
 module_param_cb(failed_after_map, &stat_ops, &st_failed_after_map, 0444);
 MODULE_PARM_DESC(failed_after_map, "registrations failed by fail_after_map after a successful dma_map");
+module_param_cb(crossed_umems, &stat_ops, &st_crossed_umems, 0444);
+MODULE_PARM_DESC(crossed_umems, "umems called through another client's table (cross_clients)");
 module_param_cb(activate_refusals, &stat_ops, &st_activate_refusals, 0444);
 MODULE_PARM_DESC(activate_refusals,
 		 "OFED 4.x registrations failed because the peer invalidated before activation");
@@ -290,6 +303,8 @@ struct pmc_umem {
 	 * reads it after that, everything else keeps its own pointer.
 	 */
 	struct peer_client *client;
+	/* the table called for it: its client's, or another's (cross_clients) */
+	const struct peer_memory_client *ops;
 	char client_name[IB_PEER_MEMORY_NAME_MAX];
 	void *ctx;
 	u32 xa_id;			/* core_context: id, or 4.x ticket */
@@ -563,9 +578,9 @@ static void client_put(struct peer_client *c)
 }
 
 /* ib_put_peer_client: release is optional. */
-static void client_release(struct peer_client *c, void *ctx)
+static void client_release(const struct peer_memory_client *ops, void *ctx)
 {
-	CLIENT_CALL_VOID(pmc_client_release(c->ops, ctx));
+	CLIENT_CALL_VOID(pmc_client_release(ops, ctx));
 }
 
 /* --- fault injection: the HCA fails to create the mkey ------------------ */
@@ -759,8 +774,8 @@ static void unfix_peer_sgls(struct pmc_umem *u)
 static void unmap_client(struct pmc_umem *u, struct peer_client *c)
 {
 	unfix_peer_sgls(u);
-	CLIENT_CALL(pmc_client_dma_unmap(c->ops, &u->sgt, u->ctx, u->dma_dev));
-	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, u->ctx));
+	CLIENT_CALL(pmc_client_dma_unmap(u->ops, &u->sgt, u->ctx, u->dma_dev));
+	CLIENT_CALL_VOID(pmc_client_put_pages(u->ops, &u->sgt, u->ctx));
 	memset(&u->sgt, 0, sizeof(u->sgt));
 }
 
@@ -841,7 +856,7 @@ static void ofed4_umem_release(struct pmc_umem *u, struct peer_client *c, bool i
 	mutex_unlock(&u->mapping_lock);
 	if (was_mapped)
 		unmap_client(u, c);
-	client_release(c, u->ctx);
+	client_release(u->ops, u->ctx);
 	WRITE_ONCE(u->client, NULL);
 	release_stats(u, c);
 	client_put(c);
@@ -917,18 +932,18 @@ static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_clie
 		if (err)
 			goto err_umem;
 	}
-	err = CLIENT_CALL(pmc_client_get_pages(c->ops, u->addr, u->len, 1,
+	err = CLIENT_CALL(pmc_client_get_pages(u->ops, u->addr, u->len, 1,
 						     !!(flags & PMC_REG_READ_ONLY), ctx, u->xa_id));
 	if (err)
 		goto err_ticket;
-	u->page_size = pmc_client_get_page_size(c->ops, ctx);
+	u->page_size = pmc_client_get_page_size(u->ops, ctx);
 	if (!is_power_of_2(u->page_size) || u->page_size < PAGE_SIZE) {
 		pr_err("client %.64s: get_page_size() before dma_map returned %lu\n",
 		       c->ops->name, u->page_size);
 		err = -EINVAL;
 		goto err_pages;
 	}
-	err = CLIENT_CALL(pmc_client_dma_map(c->ops, &u->sgt, ctx, u->dma_dev, &nmap));
+	err = CLIENT_CALL(pmc_client_dma_map(u->ops, &u->sgt, ctx, u->dma_dev, &nmap));
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
@@ -941,12 +956,12 @@ static struct pmc_umem *ofed4_peer_umem_get(struct pmc_umem *u, struct peer_clie
 	return u;
 
 err_pages:
-	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, ctx));
+	CLIENT_CALL_VOID(pmc_client_put_pages(u->ops, &u->sgt, ctx));
 err_ticket:
 	ofed4_remove_ticket(c, u, false);
 err_umem:
+	client_release(u->ops, ctx);
 	kref_put(&u->kref, umem_free);
-	client_release(c, ctx);
 	client_put(c);
 	return ERR_PTR(err);
 }
@@ -1072,8 +1087,33 @@ out:
  * success: ib_umem_activate_invalidation_notifier() or
  * ib_umem_stop_invalidation_notifier() drops it.
  */
+/*
+ * The table a core calls for a umem that client c acquired: c's own, or with
+ * cross_clients another registered client's.
+ */
+static const struct peer_memory_client *calls_for(struct peer_client *c)
+{
+	const struct peer_memory_client *ops = c->ops;
+	struct peer_client *o;
+
+	if (!READ_ONCE(cross_clients))
+		return ops;
+	mutex_lock(&peer_memory_mutex);
+	list_for_each_entry(o, &peer_clients, node) {
+		if (o != c) {
+			ops = o->ops;
+			break;
+		}
+	}
+	mutex_unlock(&peer_memory_mutex);
+	if (ops != c->ops)
+		atomic64_inc(&st_crossed_umems);
+	return ops;
+}
+
 static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 {
+	const struct peer_memory_client *ops;
 	struct peer_client *c, *found = NULL;
 	struct pmc_umem *u;
 	void *ctx = NULL;
@@ -1093,6 +1133,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	if (!found)
 		return ERR_PTR(gup_err);
 	c = found;
+	ops = calls_for(c);
 
 	u = umem_alloc(addr, len, PMC_SRC_PEER);
 	if (!u) {
@@ -1100,6 +1141,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 		goto err_client;
 	}
 	u->client = c;
+	u->ops = ops;
 	strscpy(u->client_name, c->ops->name, sizeof(u->client_name));
 	u->ctx = ctx;
 	u->dma_dev = (flags & PMC_REG_NON_PCI_DEV) ? pmc_misc.this_device : &hca.pdev->dev;
@@ -1121,17 +1163,17 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	} else {
 		u->xa_id = PEER_NO_INVALIDATION_ID;
 	}
-	err = CLIENT_CALL(pmc_client_get_pages(c->ops, addr, len, 1, !!(flags & PMC_REG_READ_ONLY),
+	err = CLIENT_CALL(pmc_client_get_pages(ops, addr, len, 1, !!(flags & PMC_REG_READ_ONLY),
 						     ctx, u->xa_id));
 	if (err)
 		goto err_xa;
 	if (c->invalidation_required && READ_ONCE(map_delay_ms))
 		msleep(READ_ONCE(map_delay_ms));	/* mapping_lock held, as between the real calls */
-	err = CLIENT_CALL(pmc_client_dma_map(c->ops, &u->sgt, ctx, u->dma_dev, &nmap));
+	err = CLIENT_CALL(pmc_client_dma_map(ops, &u->sgt, ctx, u->dma_dev, &nmap));
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
-	u->page_size = pmc_client_get_page_size(c->ops, ctx);
+	u->page_size = pmc_client_get_page_size(ops, ctx);
 	if (u->page_size != PAGE_SIZE)
 		fix_peer_sgls(u);
 	u->state = UMEM_MAPPED;
@@ -1143,7 +1185,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	return u;
 
 err_pages:
-	CLIENT_CALL_VOID(pmc_client_put_pages(c->ops, &u->sgt, ctx));
+	CLIENT_CALL_VOID(pmc_client_put_pages(ops, &u->sgt, ctx));
 err_xa:
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);
@@ -1151,7 +1193,7 @@ err_umem:
 	mutex_unlock(&u->mapping_lock);
 	kref_put(&u->kref, umem_free);
 err_client:
-	client_release(c, ctx);
+	client_release(ops, ctx);
 	client_put(c);
 	return ERR_PTR(err);
 }
@@ -1213,7 +1255,7 @@ static void ib_peer_umem_release(struct pmc_umem *u)
 		unmap_client(u, c);
 	if (u->xa_id != PEER_NO_INVALIDATION_ID)
 		xa_erase(&c->umem_xa, u->xa_id);
-	client_release(c, u->ctx);
+	client_release(u->ops, u->ctx);
 	/* Newer cores clear it; an invalidate holding a kref reads it later. */
 	WRITE_ONCE(u->client, NULL);
 	release_stats(u, c);

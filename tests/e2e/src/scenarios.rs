@@ -181,6 +181,11 @@ pub const ALL: &[Scenario] = &[
         run: hostile::persistent_unpin_failure,
     },
     Scenario {
+        name: "crossed_clients",
+        applies: ours_invalidating,
+        run: hostile::crossed_clients,
+    },
+    Scenario {
         name: "memlock_charged_before_clients",
         applies: always,
         run: hostile::memlock_charged_first,
@@ -358,7 +363,7 @@ fn samples(ctx: &mut Ctx, len: u64, n: u64) -> Vec<u64> {
 /// Registers `[a.va + off, + len)`, checks what the core got, moves bytes
 /// both ways through the HCA at sampled offsets, deregisters, checks the
 /// provider saw exactly one pin and one unpin. Returns the query.
-fn reg_verify(
+pub(crate) fn reg_verify(
     ctx: &mut Ctx,
     a: &Alloc,
     off: u64,

@@ -53,6 +53,16 @@ mod tests {
         }
 
         #[test]
+        fn covers_is_containment(start in any::<u64>(), len in any::<u64>(), addr in any::<u64>(), size in any::<u64>()) {
+            // Ranges are made by `widen`, whose end never overflows.
+            let len = len.min(u64::MAX - start);
+            let r = GpuRange { start, len };
+            let inside = u128::from(addr) >= u128::from(start)
+                && u128::from(addr) + u128::from(size) <= u128::from(start) + u128::from(len);
+            prop_assert_eq!(r.covers(addr, size), inside);
+        }
+
+        #[test]
         fn segments_partition_the_pages(runs in proptest::collection::vec((0u64..1000, 1u64..40), 1..20), max in 1u64..64) {
             let mut addrs = Vec::new();
             let mut base = 0u64;

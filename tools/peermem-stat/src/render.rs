@@ -56,6 +56,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "claim_waits",
         "core calls that overlapped on a persistent registration (0 expected)",
     ),
+    (
+        "crossed_calls",
+        "core calls through another client than the registration's (0 expected)",
+    ),
     ("fail_bad_range", "empty or overflowing range"),
     ("fail_pin", "GPU driver refused to pin"),
     ("fail_page_table", "unknown page table version or page size"),
