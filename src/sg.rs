@@ -31,29 +31,6 @@ const SG_END: kernel::ffi::c_ulong = 0x2;
 const SG_MAX_SINGLE_ALLOC: usize =
     kernel::page::PAGE_SIZE / core::mem::size_of::<bindings::scatterlist>();
 
-/// The entry after `sg` in its table: the kernel's `sg_next` for an entry
-/// that is not the last, inline (the kernel's is a call per entry, through a
-/// Rust helper on top, for tables of up to 16,384 entries).
-///
-/// # Safety
-///
-/// `sg` must be an entry of a table set up by `sg_alloc_table`, other than
-/// its last.
-#[inline(always)]
-unsafe fn next(sg: *mut bindings::scatterlist) -> *mut bindings::scatterlist {
-    // SAFETY: not the last entry, so the next slot of its chunk is an entry
-    // or the link to the next chunk (`sg_alloc_table` reserves it).
-    let following = unsafe { sg.add(1) };
-    // SAFETY: as above.
-    let link = unsafe { (*following).page_link };
-    if link & SG_CHAIN != 0 {
-        // The link holds the next chunk's first entry.
-        (link & !(SG_CHAIN | SG_END)) as *mut bindings::scatterlist
-    } else {
-        following
-    }
-}
-
 /// Describes `seg` in the entry `sg` (length and DMA fields only: there is
 /// no `struct page` behind GPU BAR memory). Segments are bounded to
 /// `u32::MAX` by their producers; a longer one is refused.
@@ -117,56 +94,98 @@ fn for_each_run(
     put(addr, len as u32)
 }
 
-/// Where the next segment goes in a table being filled, and how many
-/// entries are filled.
+/// The entries of a table that `sg_alloc_table` just set up, in order, a
+/// chunk at a time: within a chunk the entries are one array, so the walk
+/// looks for a link only at a chunk's end (the kernel's `sg_next` tests
+/// every entry, in a call).
+///
+/// `__sg_alloc_table` (lib/scatterlist.c) allocates chunks of at most
+/// [`SG_MAX_SINGLE_ALLOC`] entries; a chunk with more entries after it
+/// holds one less, and its last slot is the link to the next chunk.
 ///
 /// # Invariants
 ///
-/// While `filled < cap`, `sg` is the table's entry after the `filled` first
-/// ones; the table has `cap` zeroed entries (set up by `sg_alloc_table`, or
-/// one in a reset slot) that only this cursor writes.
-struct Cursor {
-    sg: *mut bindings::scatterlist,
-    filled: u32,
-    cap: u32,
+/// `cur..end` are zeroed entries of the table's current chunk that nothing
+/// else writes; if `after` is not 0, `end` is the chunk's link slot and
+/// `after` entries follow in later chunks.
+struct Entries {
+    cur: *mut bindings::scatterlist,
+    end: *mut bindings::scatterlist,
+    after: usize,
 }
 
-impl Cursor {
-    /// A cursor at the first entry of `table`.
+impl Entries {
+    /// The entries of `table`.
     ///
     /// # Safety
     ///
-    /// `table` must have just been set up (its `orig_nents` entries zeroed)
-    /// and be written by nothing else while the cursor is used.
+    /// `table` must have just been set up by `sg_alloc_table` (or be a reset
+    /// slot's one-entry table) and be written by nothing else while the
+    /// walk is used.
+    #[inline(always)]
     unsafe fn new(table: &bindings::sg_table) -> Self {
-        // INVARIANT: nothing filled; `sgl` is the first of `orig_nents`
-        // entries (caller).
+        let n = table.orig_nents as usize;
+        let here = Self::in_chunk(n);
+        // INVARIANT: the first chunk's entries (see the type's comment).
         Self {
-            sg: table.sgl,
-            filled: 0,
-            cap: table.orig_nents,
+            cur: table.sgl,
+            // SAFETY: `here` entries of the first chunk, at `sgl`.
+            end: unsafe { table.sgl.add(here) },
+            after: n - here,
         }
     }
 
-    /// Writes `seg` into the next entry and moves to the one after it.
+    /// The entries of a chunk with `left` entries from it to the table's
+    /// end.
     #[inline(always)]
-    fn put(&mut self, seg: Segment) -> Result {
-        if self.filled == self.cap {
-            return Err(EINVAL);
+    fn in_chunk(left: usize) -> usize {
+        if left > SG_MAX_SINGLE_ALLOC {
+            SG_MAX_SINGLE_ALLOC - 1
+        } else {
+            left
         }
-        // SAFETY: `filled < cap`, so `sg` is the next zeroed entry, ours to
-        // write (type invariant).
-        unsafe { set_dma(self.sg, seg) }?;
-        // `filled < cap`: no overflow.
-        self.filled = self.filled.wrapping_add(1);
-        if self.filled < self.cap {
-            // SAFETY: an entry of a table set up by `sg_alloc_table` (a
-            // slot's table has one entry, so it never gets here), not its
-            // last.
-            // INVARIANT: the entry after the `filled` first ones.
-            self.sg = unsafe { next(self.sg) };
+    }
+
+    /// The next entry, `None` past the table's end.
+    #[inline(always)]
+    fn next(&mut self) -> Option<*mut bindings::scatterlist> {
+        if self.cur == self.end {
+            return self.next_chunk();
         }
-        Ok(())
+        let e = self.cur;
+        // SAFETY: `cur < end`, within the chunk (type invariant).
+        self.cur = unsafe { self.cur.add(1) };
+        Some(e)
+    }
+
+    /// Entries not returned yet.
+    fn left(&self) -> usize {
+        // SAFETY: `cur..end` is within one chunk (type invariant).
+        let here = unsafe { self.end.offset_from(self.cur) } as usize;
+        here + self.after
+    }
+
+    /// Moves to the next chunk and returns its first entry.
+    #[cold]
+    fn next_chunk(&mut self) -> Option<*mut bindings::scatterlist> {
+        if self.after == 0 {
+            return None;
+        }
+        // SAFETY: `end` is the current chunk's link slot (type invariant).
+        let link = unsafe { (*self.end).page_link };
+        if link & SG_CHAIN == 0 {
+            // Not the layout `sg_alloc_table` makes: write nothing more.
+            return None;
+        }
+        let first = (link & !(SG_CHAIN | SG_END)) as *mut bindings::scatterlist;
+        let here = Self::in_chunk(self.after);
+        // INVARIANT: the next chunk's entries, `here` of the `after` left.
+        self.after -= here;
+        // SAFETY: `here >= 1` entries of the chunk at `first`.
+        self.cur = unsafe { first.add(1) };
+        // SAFETY: as above.
+        self.end = unsafe { first.add(here) };
+        Some(first)
     }
 }
 
@@ -400,32 +419,16 @@ impl SgTable {
         // INVARIANT: allocated above, freed on drop (also on the errors
         // below).
         let mut this = Self { table };
-        let filled = if cap <= SG_MAX_SINGLE_ALLOC {
-            // One chunk: the entries are one array (see
-            // `SG_MAX_SINGLE_ALLOC`), filled without looking for links.
-            // SAFETY: `sg_alloc_table` just set up `cap` zeroed entries in
-            // one allocation at `sgl`; nothing else uses them meanwhile.
-            let entries = unsafe { core::slice::from_raw_parts_mut(this.table.sgl, cap) };
-            let mut free = entries.iter_mut();
-            for_each_run(addrs, page, max_seg, |addr, len| {
-                let e = free.next().ok_or(EINVAL)?;
-                // SAFETY: a zeroed entry of the table, written once.
-                unsafe { write_dma(e, addr, len) };
-                Ok(())
-            })?;
-            // At most `cap`, which fits a `u32` (above).
-            (cap - free.len()) as u32
-        } else {
-            // SAFETY: just set up; only the cursor writes it.
-            let mut at = unsafe { Cursor::new(&this.table) };
-            for_each_run(addrs, page, max_seg, |addr, len| {
-                at.put(Segment {
-                    addr,
-                    len: len.into(),
-                })
-            })?;
-            at.filled
-        };
+        // SAFETY: just set up; only this walk writes it.
+        let mut free = unsafe { Entries::new(&this.table) };
+        for_each_run(addrs, page, max_seg, |addr, len| {
+            let e = free.next().ok_or(EINVAL)?;
+            // SAFETY: a zeroed entry of the table, written once.
+            unsafe { write_dma(e, addr, len) };
+            Ok(())
+        })?;
+        // At most `cap`, which fits a `u32` (above).
+        let filled = (cap - free.left()) as u32;
         this.table.nents = filled;
         Ok(this)
     }
@@ -433,12 +436,16 @@ impl SgTable {
     /// Fills the table's entries in order from `segs`, which must not yield
     /// more than `orig_nents`; returns how many it filled.
     fn fill(&mut self, segs: impl Iterator<Item = Segment>) -> Result<usize> {
-        // SAFETY: `new` just set the table up; only the cursor writes it.
-        let mut at = unsafe { Cursor::new(&self.table) };
+        // SAFETY: `new` just set the table up; only this walk writes it.
+        let mut free = unsafe { Entries::new(&self.table) };
+        let mut filled = 0;
         for seg in segs {
-            at.put(seg)?;
+            let e = free.next().ok_or(EINVAL)?;
+            // SAFETY: a zeroed entry of the table, written once.
+            unsafe { set_dma(e, seg) }?;
+            filled += 1;
         }
-        Ok(at.filled as usize)
+        Ok(filled)
     }
 
     /// Number of entries.
