@@ -184,14 +184,7 @@ fn claim_against_a_core_out_of_order() {
         for m in [Mutant::SplitExchange, Mutant::RelaxedOnly] {
             let r = crate::mutants::caught(move || model(m));
             set_mutant(Mutant::None);
-            let line = match &r {
-                Ok(n) => format!("NOT caught: passed {n} interleavings"),
-                Err(e) => format!(
-                    "caught after {} interleavings: {}",
-                    EXPLORED.load(Relaxed),
-                    e.lines().next().unwrap_or("")
-                ),
-            };
+            let line = crate::mutants::outcome(&r, EXPLORED.load(Relaxed));
             report.push(format!("{m:?}: {line}"));
             caught += usize::from(r.is_err_and(|e| e.contains("Causality violation")));
         }

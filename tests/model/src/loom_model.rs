@@ -733,14 +733,7 @@ fn free_callback_against_registration_and_teardown() {
     crate::mutants::quietly(|| {
         for (sc, m, why) in mutants {
             let r = catch(sc, m);
-            let line = match &r {
-                Ok(n) => format!("NOT caught: passed {n} interleavings"),
-                Err(e) => format!(
-                    "caught after {} interleavings: {}",
-                    EXPLORED.load(Relaxed),
-                    e.lines().next().unwrap_or("")
-                ),
-            };
+            let line = crate::mutants::outcome(&r, EXPLORED.load(Relaxed));
             report.push(format!("{m:?} ({}): {line}", sc.name));
             caught += usize::from(r.is_err_and(|e| why.iter().any(|w| e.contains(w))));
         }

@@ -32,3 +32,15 @@ pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
     std::panic::set_hook(Box::new(move |info| prev(info)));
     r
 }
+
+/// A mutant's line of the report: how many interleavings it passed, or
+/// after how many (`explored`) it was caught, and why.
+pub(crate) fn outcome(r: &Result<usize, String>, explored: usize) -> String {
+    match r {
+        Ok(n) => format!("NOT caught: passed {n} interleavings"),
+        Err(e) => format!(
+            "caught after {explored} interleavings: {}",
+            e.lines().next().unwrap_or("")
+        ),
+    }
+}
