@@ -133,22 +133,39 @@ pub(crate) unsafe fn get(
     let s = SLOTS.get(pair)?;
     let w = s.word.load(Acquire);
     match w & STATE {
-        LIVE => {
-            let (d, win) = (
-                s.dev.load(Relaxed),
-                Window {
-                    start: s.start.load(Relaxed),
-                    end: s.end.load(Relaxed),
-                    base: s.base.load(Relaxed),
-                },
-            );
-            fence(Acquire);
-            (d == dev && s.word.load(Relaxed) == w).then_some(win)
-        }
+        LIVE => read(s, w, dev),
         // SAFETY: as promised by the caller.
         EMPTY => unsafe { make(s, w, dev, bar) },
         _ => None,
     }
+}
+
+/// The window of pair `pair` for `dev` if it is live; never makes one, so
+/// never sleeps (for callers inside a spinlock's section).
+#[inline(always)]
+pub(crate) fn live_for(pair: usize, dev: *mut bindings::device) -> Option<Window> {
+    let s = SLOTS.get(pair)?;
+    let w = s.word.load(Acquire);
+    if w & STATE != LIVE {
+        return None;
+    }
+    read(s, w, dev)
+}
+
+/// Reads the window of `s`, live in word `w`, if it is `dev`'s and the word
+/// did not change meanwhile.
+#[inline(always)]
+fn read(s: &Slot, w: u32, dev: *mut bindings::device) -> Option<Window> {
+    let (d, win) = (
+        s.dev.load(Relaxed),
+        Window {
+            start: s.start.load(Relaxed),
+            end: s.end.load(Relaxed),
+            base: s.base.load(Relaxed),
+        },
+    );
+    fence(Acquire);
+    (d == dev && s.word.load(Relaxed) == w).then_some(win)
 }
 
 /// Decides the pair's window for `dev`, mapping it if `dev`'s DMA is

@@ -302,6 +302,15 @@ impl<R: Resources> Lifecycle<R> {
         }
     }
 
+    /// The table, while Bound (what [`Lifecycle::start_map`] would map); no
+    /// transition.
+    pub(crate) fn bound_table(&self) -> Option<&R::Table> {
+        match (self.phase, &self.table) {
+            (Phase::Bound, Some(t)) => Some(t),
+            _ => None,
+        }
+    }
+
     /// `get_pages` accepted the table: the core knows the registration as
     /// `core_context` from now on.
     pub(crate) fn bind(&mut self, core_context: u64) -> Result<(), Refusal> {

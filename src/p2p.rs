@@ -340,7 +340,23 @@ pub(crate) struct PageView<'a> {
     _table: core::marker::PhantomData<&'a PageTable>,
 }
 
-impl PageView<'_> {
+impl<'a> PageView<'a> {
+    /// A view of the `entries` page pointers at `pages` (for KUnit).
+    ///
+    /// # Safety
+    ///
+    /// `pages` must hold `entries` pointers, each NULL or to a page, valid
+    /// for `'a`.
+    #[cfg(CONFIG_KUNIT = "y")]
+    pub(crate) unsafe fn from_raw(pages: *mut *mut ffi::nvidia_p2p_page, entries: usize) -> Self {
+        Self {
+            pages,
+            entries,
+            coherent: false,
+            _table: core::marker::PhantomData,
+        }
+    }
+
     /// Number of 64 KiB pages.
     pub(crate) fn len(&self) -> usize {
         self.entries
@@ -365,6 +381,30 @@ impl PageView<'_> {
         }
         // SAFETY: as above.
         Some(unsafe { (*page).physical_address })
+    }
+
+    /// The pages as one run of bus addresses, each page `page` bytes after
+    /// the one before: its first address and length; `None` when a page
+    /// has no address or does not follow, or when there is no page.
+    #[inline(always)]
+    pub(crate) fn one_run(&self, page: u64) -> Option<(u64, u64)> {
+        let first = self.physical_address(0)?;
+        let len = (self.entries as u64).checked_mul(page)?;
+        // The last page's address: no sum below overflows.
+        first.checked_add(len - page)?;
+        let mut next = first;
+        for i in 1..self.entries {
+            next += page;
+            // SAFETY: `i < entries` page pointers of a checked table, valid
+            // while the table is (the view borrows it); `pages` is not null
+            // (page 0 was read).
+            let p = unsafe { *self.pages.add(i) };
+            // SAFETY: as above, when not null.
+            if p.is_null() || unsafe { (*p).physical_address } != next {
+                return None;
+            }
+        }
+        Some((first, len))
     }
 }
 

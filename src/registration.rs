@@ -33,7 +33,12 @@ use crate::{
         Atomic,
         Relaxed, //
     },
-    bar_map, compat,
+    bar_map,
+    coalesce::{
+        segment_limit,
+        Segment, //
+    },
+    compat,
     core_link::CoreLink,
     device_map::DeviceMap,
     lifecycle::{
@@ -48,7 +53,8 @@ use crate::{
     p2p::{
         self,
         ArmedCallback,
-        PageTable, //
+        PageTable,
+        PageView, //
     },
     peer_device::PeerDevice,
     provider_map,
@@ -448,6 +454,25 @@ impl Registration {
     }
 }
 
+/// The segment through which `peer` reaches `pages` when they are one run
+/// inside the live window of `route`'s pair, as `bar_map` would place it,
+/// for a route the path policy allows; `None` otherwise (the general way
+/// then maps, learns, explains refusals and counts failures). Never sleeps.
+#[inline(always)]
+fn window_run(pages: &PageView<'_>, route: &Route, peer: &PeerDevice) -> Option<Segment> {
+    if pages.coherent() || !route.allowed() {
+        return None;
+    }
+    let window = route.live_window(peer)?;
+    // One entry, as `bar_map` would make it: a run no longer than the
+    // device's segments may be.
+    let (addr, len) = pages.one_run(GPU_PAGE_SIZE)?;
+    if len > segment_limit(peer.max_segment(), GPU_PAGE_SIZE) {
+        return None;
+    }
+    window.segment(Segment { addr, len })
+}
+
 impl<A: Access> Called<'_, A> {
     /// `get_pages`: the pin happened in `acquire`; check what the provider
     /// gave us and remember the core's id for the invalidate hook.
@@ -511,6 +536,13 @@ impl<A: Access> Called<'_, A> {
                 "dma_device is not a PCI device"
             ));
         };
+        // A device whose DMA is translated has no window (`bar_window`).
+        if A::MODE == Mode::Invalidating && !peer.translated() {
+            // SAFETY: `sg_head` as promised by the caller.
+            if let Some(nents) = unsafe { self.map_in_window(&peer, sg_head) } {
+                return Ok(self.mapped(nents));
+            }
+        }
         let table = self.start_map()?;
         // SAFETY: valid until `finish_map` (see `start_map`); checked by
         // `get_pages`.
@@ -523,6 +555,12 @@ impl<A: Access> Called<'_, A> {
         });
         // SAFETY: `sg_head` is the core's table for this registration (caller).
         let nents = unsafe { self.finish_map(made, &route, sg_head) }?;
+        Ok(self.mapped(nents))
+    }
+
+    /// Counts a registration mapped with `nents` entries; returns `nents`.
+    #[inline(always)]
+    fn mapped(&self, nents: u32) -> u32 {
         STATS.registrations.add(1, Relaxed);
         STATS.sg_entries.add(u64::from(nents), Relaxed);
         reg_dbg!(
@@ -530,11 +568,57 @@ impl<A: Access> Called<'_, A> {
             self.range().start,
             self.range().len
         );
-        Ok(nents)
+        nents
+    }
+
+    /// The whole of `dma_map` in one section of the lock, for the usual
+    /// invalidating registration without a translating IOMMU: its pages are
+    /// one run inside the live window of a known pair that the path policy
+    /// allows (see [`window_run`]), so nothing is mapped, allocated or
+    /// learnt, and nothing sleeps. The lock is held from the table's read to
+    /// the mapping's publication: a free callback waits for it and then
+    /// finds the registration Mapped, as after [`Called::finish_map`]. Every
+    /// other case returns `None` with nothing changed, and goes the general
+    /// way.
+    ///
+    /// # Safety
+    ///
+    /// `sg_head` must be the core's table for this registration.
+    #[inline(always)]
+    unsafe fn map_in_window(
+        &self,
+        peer: &PeerDevice,
+        sg_head: *mut bindings::sg_table,
+    ) -> Option<u32> {
+        let mut g = self.enter();
+        // SAFETY: Bound: the table is pinned and was checked by `get_pages`.
+        // A free callback frees it only after it returns, and it takes this
+        // lock first, which is held until the alias and its view are gone.
+        let table = unsafe { g.lc.bound_table()?.alias() };
+        // SAFETY: as above; the view does not outlive this section.
+        let pages = unsafe { table.pages() };
+        let route = Route::known(pages.physical_address(0)?, peer)?;
+        let seg = window_run(&pages, &route, peer)?;
+        // The slot is free while Bound (no mapping holds it), and Mapping
+        // starts right below, in this section.
+        // SAFETY: the slot is this registration's; only the mapping made in
+        // this Mapping uses it (see `sg_slot`).
+        unsafe { self.sg_slot.fill(seg) }.ok()?;
+        g.lc.start_map().ok()?;
+        // INVARIANT: the slot holds the window map's entry (above). Cannot
+        // fail: Mapping since the line above, under the same lock.
+        g.lc.map_succeeded(DeviceMap::Window).ok()?;
+        self.holds_map.store(1, Relaxed);
+        let owner = g.lc.owner().unwrap_or(0);
+        g.charge = route.charge(owner, self.range().len);
+        STATS.window_maps.add(1, Relaxed);
+        // SAFETY: `sg_head` as promised by the caller; the slot holds the
+        // entry of the map just installed.
+        Some(unsafe { self.sg_slot.publish(sg_head) })
     }
 
     /// Moves Bound to Mapping and returns the table to map, marking it in
-    /// use until [`Registration::finish_map`].
+    /// use until [`Called::finish_map`].
     ///
     /// The alias is sound while `mapper` is set: a free callback that comes
     /// meanwhile waits for it in `revoke` before it returns, and the provider

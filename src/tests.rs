@@ -858,10 +858,12 @@ mod lifecycle_tests {
 #[kunit_tests(nvidia_peermem_p2p)]
 mod p2p_tests {
     use crate::compat;
+    use crate::ffi;
     use crate::p2p::{
         dma_mapping_version_ok,
         page_table_version_ok,
-        provider_error, //
+        provider_error,
+        PageView, //
     };
     use kernel::prelude::*;
 
@@ -883,6 +885,62 @@ mod p2p_tests {
         assert!(!dma_mapping_version_ok(0x0002_0002));
         assert!(!dma_mapping_version_ok(0x0001_0003));
         assert!(!dma_mapping_version_ok(0x0003_0003));
+    }
+
+    const PAGE: u64 = 0x1_0000;
+
+    /// Pages at `addrs` (0: a NULL page pointer), and whether they are one
+    /// run, as `PageView::one_run` says.
+    fn one_run(addrs: &[u64]) -> Result<Option<(u64, u64)>> {
+        let mut pages = KVec::with_capacity(addrs.len(), GFP_KERNEL)?;
+        for &a in addrs {
+            // SAFETY: an all-zero page is a valid value of the C struct.
+            let mut p: ffi::nvidia_p2p_page = unsafe { core::mem::zeroed() };
+            p.physical_address = a;
+            pages.push(p, GFP_KERNEL)?;
+        }
+        let mut ptrs = KVec::with_capacity(addrs.len(), GFP_KERNEL)?;
+        for (i, &a) in addrs.iter().enumerate() {
+            let p: *mut ffi::nvidia_p2p_page = if a == 0 {
+                core::ptr::null_mut()
+            } else {
+                &raw mut pages[i]
+            };
+            ptrs.push(p, GFP_KERNEL)?;
+        }
+        // SAFETY: `ptrs` holds `addrs.len()` pointers, NULL or into `pages`,
+        // both alive until the view is gone.
+        let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), addrs.len()) };
+        Ok(view.one_run(PAGE))
+    }
+
+    #[test]
+    fn pages_that_follow_each_other_are_one_run() -> Result {
+        let base = 0x38_0000_0000u64;
+        let addrs: KVec<u64> = {
+            let mut v = KVec::new();
+            for i in 0..32 {
+                v.push(base + i * PAGE, GFP_KERNEL)?;
+            }
+            v
+        };
+        assert_eq!(one_run(&addrs)?, Some((base, 32 * PAGE)));
+        assert_eq!(one_run(&[base])?, Some((base, PAGE)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_gap_a_missing_page_or_no_page_is_not_one_run() -> Result {
+        let b = 0x38_0000_0000u64;
+        // A gap, pages in the wrong order, a page without a pointer.
+        assert_eq!(one_run(&[b, b + 2 * PAGE])?, None);
+        assert_eq!(one_run(&[b + PAGE, b])?, None);
+        assert_eq!(one_run(&[b, 0, b + 2 * PAGE])?, None);
+        assert_eq!(one_run(&[0])?, None);
+        assert_eq!(one_run(&[])?, None);
+        // A run that would end past the address space.
+        assert_eq!(one_run(&[u64::MAX - PAGE + 2, 1])?, None);
+        Ok(())
     }
 
     #[test]

@@ -129,6 +129,21 @@ impl Route {
         }
     }
 
+    /// The route of pages starting at bus address `phys` to `peer` if its
+    /// GPU and pair are known already; never learns one, so never sleeps (for
+    /// callers inside a spinlock's section).
+    #[inline(always)]
+    pub(crate) fn known(phys: u64, peer: &PeerDevice) -> Option<Self> {
+        let peer_id = peer.id();
+        let gpu = accounting::gpu_by_phys(phys)?;
+        let found = accounting::find_pair(gpu.id, peer_id)?;
+        Some(Self {
+            gpu: Some(gpu),
+            peer: peer_id,
+            pair: Some(found),
+        })
+    }
+
     /// A new pair, maybe of a new GPU (rare): walks the PCI devices,
     /// classifies the pair and records both.
     #[cold]
@@ -193,6 +208,17 @@ impl Route {
         ))
     }
 
+    /// Whether the path policy allows this route, without a word (the
+    /// refusal itself is [`Route::admit`]'s, which counts and explains it).
+    #[inline(always)]
+    pub(crate) fn allowed(&self) -> bool {
+        let level = policy_level();
+        match &self.pair {
+            Some((_, class)) => level <= 0 || (*class as i32) <= level,
+            None => true,
+        }
+    }
+
     /// A registration on this route failed with `e`; explains a refusal by
     /// the GPU driver's topology check once per pair.
     #[cold]
@@ -220,6 +246,14 @@ impl Route {
         // SAFETY: the core keeps `peer` alive and bound while it maps for it
         // (the `PeerDevice` invariant; we are inside its `dma_map`).
         unsafe { bar_window::get(pair.slot, peer.dev(), bar) }
+    }
+
+    /// The pair's window for `peer` if it is live already (see
+    /// [`bar_window::live`]); never makes one.
+    #[inline(always)]
+    pub(crate) fn live_window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
+        let (pair, _) = self.pair.as_ref()?;
+        bar_window::live_for(pair.slot, peer.dev())
     }
 
     /// Counts a mapped registration of `bytes` for the process `tgid` (the
