@@ -9,9 +9,10 @@
 //! A registration takes its lock five to eight times, so this backend calls
 //! `_raw_spin_lock`/`_raw_spin_unlock` (what `spin_lock()` expands to outside
 //! PREEMPT_RT) directly. It is the same lock: initialized by the kernel's
-//! `__spin_lock_init` with a static lock class, so lockdep, the spinlock
-//! debugging and KCSAN see every acquisition as they would through
-//! `SpinLock`. The lockdep assertion made on every acquisition is a call
+//! `__spin_lock_init` with a static lock class wherever spinlock debugging
+//! or lockdep is built (elsewhere that function only stores the unlocked
+//! value, which `init` stores itself), so lockdep, the spinlock debugging
+//! and KCSAN see every acquisition as they would through `SpinLock`. The lockdep assertion made on every acquisition is a call
 //! only where lockdep is built in. On PREEMPT_RT, where a `spinlock_t` is a
 //! sleeping lock, it falls back to the helpers.
 
@@ -44,14 +45,37 @@ unsafe impl Backend for RegLockBackend {
     type State = bindings::spinlock_t;
     type GuardState = ();
 
+    #[inline]
     unsafe fn init(
         ptr: *mut Self::State,
         name: *const kernel::ffi::c_char,
         key: *mut bindings::lock_class_key,
     ) {
+        // Without spinlock debugging and lockdep, `spin_lock_init` only
+        // stores `__SPIN_LOCK_UNLOCKED`, whose one field is the architecture's
+        // unlocked value, 0 for the queued spinlock of x86 and arm64
+        // (spinlock_types.h, qspinlock_types.h): stored here, without the
+        // helper's call (every registration initializes its lock).
+        #[cfg(all(
+            not(any(CONFIG_DEBUG_SPINLOCK, CONFIG_LOCKDEP, CONFIG_PREEMPT_RT)),
+            any(target_arch = "x86_64", target_arch = "aarch64")
+        ))]
+        {
+            let _ = (name, key);
+            // SAFETY: `ptr` is valid for writes (the trait's contract); an
+            // all-zero `spinlock_t` is the unlocked lock in this
+            // configuration (above).
+            unsafe { ptr.write(core::mem::zeroed()) }
+        }
+        #[cfg(not(all(
+            not(any(CONFIG_DEBUG_SPINLOCK, CONFIG_LOCKDEP, CONFIG_PREEMPT_RT)),
+            any(target_arch = "x86_64", target_arch = "aarch64")
+        )))]
         // SAFETY: `ptr` is valid for writes, `name` and `key` for reads
         // indefinitely (the trait's contract).
-        unsafe { bindings::__spin_lock_init(ptr, name, key) }
+        unsafe {
+            bindings::__spin_lock_init(ptr, name, key)
+        }
     }
 
     #[inline]
