@@ -81,17 +81,22 @@ fn for_each_run(
     // A run is at most `limit` bytes, which is at most `u32::MAX` unless a
     // page alone is longer: checked once here, not per run.
     u32::try_from(limit).map_err(|_| EINVAL)?;
-    let (mut addr, mut len) = (first, page);
+    // The run so far is `addr..end`, `end` computed modulo 2^64: it is below
+    // `addr` exactly when the run reaches past the address space, where the
+    // checked sum of `Coalescer` fails and nothing follows. Its length,
+    // `end - addr` (also modulo 2^64), and `limit` are whole pages, so one
+    // more page fits while the length is below `limit`.
+    let (mut addr, mut end) = (first, first.wrapping_add(page));
     for &a in rest {
-        if addr.checked_add(len) == Some(a) && len + page <= limit {
-            len += page;
+        if a == end && end > addr && end - addr < limit {
+            end = end.wrapping_add(page);
             continue;
         }
         // `len <= limit <= u32::MAX` (above).
-        put(addr, len as u32)?;
-        (addr, len) = (a, page);
+        put(addr, end.wrapping_sub(addr) as u32)?;
+        (addr, end) = (a, a.wrapping_add(page));
     }
-    put(addr, len as u32)
+    put(addr, end.wrapping_sub(addr) as u32)
 }
 
 /// The entries of a table that `sg_alloc_table` just set up, in order, a

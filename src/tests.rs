@@ -1100,6 +1100,22 @@ mod sg_tests {
             e = unsafe { bindings::sg_next(e) };
         }
         assert!(e.is_null());
+        // A run may end at the top of the address space, and no page follows
+        // it there: the page at 0 after it starts a run of its own, as in
+        // `Coalescer`.
+        let top = u64::MAX - P + 1;
+        let wraps = [top - P, top, 0];
+        assert_eq!(crate::coalesce::count(&wraps, P, 1 << 31), 2);
+        let t = SgTable::coalesced(3, &wraps, P, 1 << 31)?;
+        let h = header(&t);
+        assert_eq!(h.nents, 2);
+        // SAFETY: the first of the table's 3 entries.
+        let e = unsafe { &*h.sgl };
+        assert_eq!((e.dma_address, e.dma_length), (top - P, 2 * P as u32));
+        // SAFETY: the second, after the first of a table set up by
+        // `sg_alloc_table`.
+        let e = unsafe { &*bindings::sg_next(h.sgl) };
+        assert_eq!((e.dma_address, e.dma_length), (0, P as u32));
         // More runs than the bound, or no page, or a bound under 2 are refused.
         assert!(SgTable::coalesced(2, &[0, 2 * P, 4 * P], P, 1 << 31).is_err());
         assert!(SgTable::coalesced(2, &[], P, 1 << 31).is_err());
