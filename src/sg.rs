@@ -310,7 +310,8 @@ impl SgSlot {
 /// # Invariants
 ///
 /// The slot outlives this object and holds the header of a table set up by
-/// `sg_alloc_table` for two or more entries, filled as an [`SgTable`]'s,
+/// `sg_alloc_table` (or laid out as it does, by [`SgTable::coalesced_chunk`])
+/// for two or more entries, filled as an [`SgTable`]'s,
 /// that nothing else writes or frees while this object lives; it is freed
 /// exactly once, on drop.
 pub(crate) struct SlotTable(NonNull<SgSlot>);
@@ -340,7 +341,32 @@ impl Drop for SlotTable {
     fn drop(&mut self) {
         // SAFETY: the slot is alive, holds the header of an allocated table
         // not freed before (type invariant; this runs once).
-        unsafe { bindings::sg_free_table(self.0.as_ref().header()) };
+        unsafe { free_table(self.0.as_ref().header()) };
+    }
+}
+
+/// Frees an allocated table: what `sg_free_table` does, without its walk
+/// for a table of one chunk, which is one `kmalloc`'d array
+/// (lib/scatterlist.c: `sg_kmalloc` allocates a chunk of fewer than
+/// `SG_MAX_SINGLE_ALLOC` entries with `kmalloc_array`, and `sg_kfree`
+/// frees it with `kfree`).
+///
+/// # Safety
+///
+/// `table` must be the header of a table set up by `sg_alloc_table`, or by
+/// [`SgTable::coalesced_chunk`], for `orig_nents` entries, two or more, not
+/// freed before.
+#[inline(always)]
+unsafe fn free_table(table: *mut bindings::sg_table) {
+    // SAFETY: a valid header (caller).
+    let t = unsafe { &mut *table };
+    if (t.orig_nents as usize) < SG_MAX_SINGLE_ALLOC {
+        // SAFETY: one chunk, allocated with `kmalloc` (above, caller).
+        unsafe { bindings::kfree(t.sgl.cast()) };
+        t.sgl = core::ptr::null_mut();
+    } else {
+        // SAFETY: set up by `sg_alloc_table` (caller).
+        unsafe { bindings::sg_free_table(t) };
     }
 }
 
@@ -351,8 +377,9 @@ impl Drop for SlotTable {
 ///
 /// `table` is empty (all zero); or has one entry (`orig_nents == 1`), in an
 /// [`SgSlot`] that outlives this object and that nothing else writes while
-/// it lives; or was set up by `sg_alloc_table` for `orig_nents` entries, two
-/// or more, and is freed exactly once, on drop. Its first `nents` entries
+/// it lives; or was set up by `sg_alloc_table` (or laid out as it does, by
+/// [`SgTable::coalesced_chunk`]) for `orig_nents` entries, two or more, and
+/// is freed exactly once, on drop. Its first `nents` entries
 /// (at most `orig_nents`) carry the DMA fields of the mapping, the others
 /// are empty (there are no `struct page`s behind GPU BAR memory).
 pub(crate) struct SgTable {
@@ -415,6 +442,9 @@ impl SgTable {
         if cap < 2 || addrs.is_empty() {
             return Err(EINVAL);
         }
+        if cap < SG_MAX_SINGLE_ALLOC {
+            return Self::coalesced_chunk(cap32, addrs, page, max_seg);
+        }
         // SAFETY: an all-zero `sg_table` is the empty table.
         let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
         // SAFETY: `table` is a valid, empty table.
@@ -435,6 +465,64 @@ impl SgTable {
         // At most `cap`, which fits a `u32` (above).
         let filled = (cap - free.left()) as u32;
         this.table.nents = filled;
+        Ok(this)
+    }
+
+    /// [`SgTable::coalesced`] for a table of one chunk (`cap` from 2 to
+    /// `SG_MAX_SINGLE_ALLOC - 1` entries), laid out as `sg_alloc_table`
+    /// makes it without its zeroing pass: one `kmalloc`'d array
+    /// (lib/scatterlist.c: `sg_kmalloc` allocates such a chunk with
+    /// `kmalloc_array`, and `sg_free_table` frees it with `kfree`, see
+    /// `Drop`), each entry written whole as it is filled, the entries after
+    /// the last run zeroed, the end mark on the array's last entry.
+    #[inline(always)]
+    fn coalesced_chunk(cap: u32, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
+        let n = cap as usize;
+        let bytes = n * core::mem::size_of::<bindings::scatterlist>();
+        // SAFETY: a plain allocation; `n` entries of 32 bytes are at most
+        // one page (`n < SG_MAX_SINGLE_ALLOC`).
+        let sgl = unsafe { bindings::__kmalloc_noprof(bytes, bindings::GFP_KERNEL) };
+        let sgl = sgl.cast::<bindings::scatterlist>();
+        if sgl.is_null() {
+            return Err(ENOMEM);
+        }
+        // SAFETY: an all-zero `sg_table` is the empty table.
+        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
+        table.sgl = sgl;
+        table.orig_nents = cap;
+        // INVARIANT: one `kmalloc`'d chunk of `cap` entries, freed on drop
+        // (also on the errors below, before any entry is read).
+        let mut this = Self { table };
+        let mut next = sgl;
+        // SAFETY: `sgl + n` is the end of the allocation.
+        let end = unsafe { sgl.add(n) };
+        for_each_run(addrs, page, max_seg, |addr, len| {
+            if next == end {
+                return Err(EINVAL);
+            }
+            // SAFETY: an entry of the array, written whole once: a DMA-only
+            // entry (no page) that is not the last of the list.
+            unsafe {
+                next.write(bindings::scatterlist {
+                    length: len,
+                    dma_address: addr,
+                    dma_length: len,
+                    ..core::mem::zeroed()
+                });
+                next = next.add(1);
+            }
+            Ok(())
+        })?;
+        // SAFETY: `next` is within the array or its end.
+        let filled = unsafe { next.offset_from(sgl) } as usize;
+        // SAFETY: the entries `filled..n` of the array, none written yet,
+        // zeroed as `sg_init_table` would; then the end mark (bit 1 of
+        // `page_link`, `sg_mark_end`) on the last one.
+        unsafe {
+            core::ptr::write_bytes(next, 0, n - filled);
+            (*sgl.add(n - 1)).page_link |= SG_END;
+        }
+        this.table.nents = filled as u32;
         Ok(this)
     }
 
@@ -475,8 +563,8 @@ impl Drop for SgTable {
             // Empty, or one entry in the registration's slot: nothing to free.
             return;
         }
-        // SAFETY: allocated by `sg_alloc_table` and not freed before (type
+        // SAFETY: allocated, two or more entries, and not freed before (type
         // invariant; this runs once).
-        unsafe { bindings::sg_free_table(&mut self.table) };
+        unsafe { free_table(&mut self.table) };
     }
 }
