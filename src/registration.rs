@@ -592,8 +592,10 @@ impl<A: Access> Called<'_, A> {
     ) -> Option<u32> {
         let mut g = self.enter();
         // SAFETY: Bound: the table is pinned and was checked by `get_pages`.
-        // A free callback frees it only after it returns, and it takes this
-        // lock first, which is held until the alias and its view are gone.
+        // The provider frees it only after its free callback returns
+        // (real-driver-behaviour.md, fact 2; scenario `free_races_registration`),
+        // and the callback takes this lock first, which is held until the
+        // alias and its view are gone.
         let table = unsafe { g.lc.bound_table()?.alias() };
         // SAFETY: as above; the view does not outlive this section.
         let pages = unsafe { table.pages() };
