@@ -29,6 +29,7 @@ struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
 bool peermem_reap_kick(struct workqueue_struct *wq);
 struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
+struct scatterlist *peermem_sg_chunk_alloc(unsigned int nents);
 void peermem_reap_run(void);	/* Rust, src/reaper.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
@@ -59,6 +60,18 @@ int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
+
+/*
+ * One chunk of a scatterlist as sg_kmalloc() allocates a chunk of fewer than
+ * SG_MAX_SINGLE_ALLOC entries (lib/scatterlist.c), but not zeroed: the caller
+ * writes every entry (src/sg.rs, SgTable::coalesced_chunk). Here, and not a
+ * direct call of __kmalloc_noprof() from Rust, so that allocation profiling
+ * tags it.
+ */
+struct scatterlist *peermem_sg_chunk_alloc(unsigned int nents)
+{
+	return kmalloc_array(nents, sizeof(struct scatterlist), GFP_KERNEL);
+}
 
 static u32 peermem_pci_id(struct pci_dev *pdev);
 

@@ -11,6 +11,7 @@ use kernel::{
         device,
         kmem_cache,
         pci_dev,
+        scatterlist,
         workqueue_struct, //
     },
     ffi::{
@@ -78,6 +79,8 @@ extern "C" {
     pub(crate) fn peermem_reap_kick(wq: *mut workqueue_struct) -> bool;
     /// A slab cache for objects of `size` bytes aligned to `align`, or NULL.
     pub(crate) fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
+    /// `kmalloc_array` of `nents` scatterlist entries (not zeroed), or NULL.
+    pub(crate) fn peermem_sg_chunk_alloc(nents: c_uint) -> *mut scatterlist;
     /// The PCI device whose memory BAR holds `phys`: its path up, and the
     /// BAR's first and last byte. 0 or -ENODEV.
     pub(crate) fn peermem_gpu_by_phys(

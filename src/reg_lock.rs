@@ -12,9 +12,10 @@
 //! `__spin_lock_init` with a static lock class wherever spinlock debugging
 //! or lockdep is built (elsewhere that function only stores the unlocked
 //! value, which `init` stores itself), so lockdep, the spinlock debugging
-//! and KCSAN see every acquisition as they would through `SpinLock`. The lockdep assertion made on every acquisition is a call
-//! only where lockdep is built in. On PREEMPT_RT, where a `spinlock_t` is a
-//! sleeping lock, it falls back to the helpers.
+//! and KCSAN see every acquisition as they would through `SpinLock`. The
+//! lockdep assertion made on every acquisition is a call only where lockdep
+//! is built in. On PREEMPT_RT, where a `spinlock_t` is a sleeping lock, it
+//! falls back to the helpers.
 
 use kernel::{
     bindings,

@@ -478,11 +478,9 @@ impl SgTable {
     #[inline(always)]
     fn coalesced_chunk(cap: u32, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
         let n = cap as usize;
-        let bytes = n * core::mem::size_of::<bindings::scatterlist>();
-        // SAFETY: a plain allocation; `n` entries of 32 bytes are at most
-        // one page (`n < SG_MAX_SINGLE_ALLOC`).
-        let sgl = unsafe { bindings::__kmalloc_noprof(bytes, bindings::GFP_KERNEL) };
-        let sgl = sgl.cast::<bindings::scatterlist>();
+        // SAFETY: a plain allocation of `n` entries, fewer than a page's
+        // worth (`n < SG_MAX_SINGLE_ALLOC`).
+        let sgl = unsafe { crate::ffi::peermem_sg_chunk_alloc(cap) };
         if sgl.is_null() {
             return Err(ENOMEM);
         }
