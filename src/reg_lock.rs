@@ -57,25 +57,23 @@ unsafe impl Backend for RegLockBackend {
         // unlocked value, 0 for the queued spinlock of x86 and arm64
         // (spinlock_types.h, qspinlock_types.h): stored here, without the
         // helper's call (every registration initializes its lock).
-        #[cfg(all(
-            not(any(CONFIG_DEBUG_SPINLOCK, CONFIG_LOCKDEP, CONFIG_PREEMPT_RT)),
+        const PLAIN: bool = cfg!(all(
+            not(any(
+                CONFIG_DEBUG_SPINLOCK,
+                CONFIG_LOCKDEP,
+                CONFIG_PREEMPT_RT
+            )),
             any(target_arch = "x86_64", target_arch = "aarch64")
-        ))]
-        {
-            let _ = (name, key);
+        ));
+        if PLAIN {
             // SAFETY: `ptr` is valid for writes (the trait's contract); an
             // all-zero `spinlock_t` is the unlocked lock in this
             // configuration (above).
             unsafe { ptr.write(core::mem::zeroed()) }
-        }
-        #[cfg(not(all(
-            not(any(CONFIG_DEBUG_SPINLOCK, CONFIG_LOCKDEP, CONFIG_PREEMPT_RT)),
-            any(target_arch = "x86_64", target_arch = "aarch64")
-        )))]
-        // SAFETY: `ptr` is valid for writes, `name` and `key` for reads
-        // indefinitely (the trait's contract).
-        unsafe {
-            bindings::__spin_lock_init(ptr, name, key)
+        } else {
+            // SAFETY: `ptr` is valid for writes, `name` and `key` for reads
+            // indefinitely (the trait's contract).
+            unsafe { bindings::__spin_lock_init(ptr, name, key) }
         }
     }
 

@@ -610,13 +610,21 @@ impl<A: Access> Called<'_, A> {
         // INVARIANT: the slot holds the window map's entry (above). Cannot
         // fail: Mapping since the line above, under the same lock.
         g.lc.map_succeeded(DeviceMap::Window).ok()?;
-        self.holds_map.store(1, Relaxed);
-        let owner = g.lc.owner().unwrap_or(0);
-        g.charge = route.charge(owner, self.range().len);
+        self.installed(&mut g, &route);
         STATS.window_maps.add(1, Relaxed);
         // SAFETY: `sg_head` as promised by the caller; the slot holds the
         // entry of the map just installed.
         Some(unsafe { self.sg_slot.publish(sg_head) })
+    }
+
+    /// The lifecycle took a mapping (Mapped): flags it for `put_pages` and
+    /// counts the registration on `route` until its pin ends (under this
+    /// lock, so that a revoke cannot end the pin in between).
+    #[inline(always)]
+    fn installed(&self, g: &mut Entered<'_, Inner, A>, route: &Route) {
+        self.holds_map.store(1, Relaxed);
+        let owner = g.lc.owner().unwrap_or(0);
+        g.charge = route.charge(owner, self.range().len);
     }
 
     /// Moves Bound to Mapping and returns the table to map, marking it in
@@ -667,11 +675,7 @@ impl<A: Access> Called<'_, A> {
                 // device never saw it.
                 Err(map) => map,
                 Ok(()) => {
-                    self.holds_map.store(1, Relaxed);
-                    // Counted until the pin ends (under this lock, so that a
-                    // revoke cannot end the pin in between).
-                    let owner = g.lc.owner().unwrap_or(0);
-                    g.charge = route.charge(owner, self.range().len);
+                    self.installed(&mut g, route);
                     return Ok(g.lc.map().map_or(0, |m| {
                         // SAFETY: `sg_head` is the core's table (caller); the
                         // map was built with this registration's slot.

@@ -115,17 +115,9 @@ impl Route {
     // One call site per client mode: inlined into each `dma_map`.
     #[inline(always)]
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
-        let peer_id = peer.id();
-        let Some(gpu) = accounting::gpu_by_phys(phys) else {
-            return Self::new_pair(phys, None, peer);
-        };
-        match accounting::find_pair(gpu.id, peer_id) {
-            Some(found) => Self {
-                gpu: Some(gpu),
-                peer: peer_id,
-                pair: Some(found),
-            },
-            None => Self::new_pair(phys, Some(gpu), peer),
+        match Self::known(phys, peer) {
+            Some(r) => r,
+            None => Self::new_pair(phys, accounting::gpu_by_phys(phys), peer),
         }
     }
 
@@ -189,13 +181,13 @@ impl Route {
     // One call site per client mode: inlined into each `dma_map`.
     #[inline(always)]
     pub(crate) fn admit(&self) -> Result {
-        let level = policy_level();
+        if self.allowed() {
+            return Ok(());
+        }
         let Some((pair, class)) = &self.pair else {
             return Ok(());
         };
-        if level <= 0 || (*class as i32) <= level {
-            return Ok(());
-        }
+        let level = policy_level();
         pair.refused_by_policy();
         let limit = Class::from_level(level as u32).map_or("?", Class::name);
         Err(fail!(
