@@ -57,6 +57,8 @@ struct peermem_chain {
 };
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
+struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip);
+void peermem_pci_dev_put(struct pci_dev *pdev);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
@@ -235,10 +237,10 @@ static void peermem_fill_chain(struct pci_dev *pdev, struct peermem_chain *out)
 }
 
 /*
- * The PCI device one of whose memory BARs holds bus address @phys (a GPU's
- * BAR1 page), its upstream path, and the BAR's range. 0 or -ENODEV.
+ * The PCI device one of whose memory BARs holds bus address @phys, with a
+ * reference, and that BAR; NULL if none.
  */
-int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end)
+static struct pci_dev *peermem_pci_by_phys(u64 phys, struct resource **bar)
 {
 	struct pci_dev *pdev = NULL;
 	int i;
@@ -251,14 +253,94 @@ int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64
 				continue;
 			if (phys < r->start || phys > r->end)
 				continue;
-			*bar_start = r->start;
-			*bar_end = r->end;
-			peermem_fill_chain(pdev, out);
-			pci_dev_put(pdev);
-			return 0;
+			*bar = r;
+			return pdev;
 		}
 	}
-	return -ENODEV;
+	return NULL;
+}
+
+/*
+ * The PCI device one of whose memory BARs holds bus address @phys (a GPU's
+ * BAR1 page), its upstream path, and the BAR's range. 0 or -ENODEV.
+ */
+int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end)
+{
+	struct resource *bar;
+	struct pci_dev *pdev = peermem_pci_by_phys(phys, &bar);
+
+	if (!pdev)
+		return -ENODEV;
+	*bar_start = bar->start;
+	*bar_end = bar->end;
+	peermem_fill_chain(pdev, out);
+	pci_dev_put(pdev);
+	return 0;
+}
+
+/* What the GPU driver's gate asks (nv_pci_has_common_pci_switch, nv-pci.c). */
+static bool peermem_common_bridge(struct pci_dev *a, struct pci_dev *b)
+{
+	struct pci_dev *x, *y;
+
+	for (x = pci_upstream_bridge(a); x; x = pci_upstream_bridge(x))
+		for (y = pci_upstream_bridge(b); y; y = pci_upstream_bridge(y))
+			if (x == y)
+				return true;
+	return false;
+}
+
+/*
+ * Whether the DMA API may be used on @pdev for a moment: a bound bus master,
+ * not a bridge, whose driver does not own the device's IOMMU domain itself
+ * (vfio). dev->driver is read without the device lock, as dev_driver_string()
+ * does: a driver is unbound from its devices before its module goes.
+ */
+static bool peermem_dma_capable(struct pci_dev *pdev)
+{
+	const struct device_driver *drv = READ_ONCE(pdev->dev.driver);
+
+	return drv && pdev->is_busmaster && !pci_is_bridge(pdev) &&
+	       !to_pci_driver(drv)->driver_managed_dma;
+}
+
+/* PCI class 0x0c06, serial bus controller: InfiniBand (no pci_ids.h name). */
+#define PEERMEM_CLASS_INFINIBAND	0x0c06
+
+static bool peermem_rdma_class(struct pci_dev *pdev)
+{
+	return pdev->class >> 16 == PCI_BASE_CLASS_NETWORK ||
+	       pdev->class >> 8 == PEERMEM_CLASS_INFINIBAND;
+}
+
+struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip)
+{
+	struct resource *bar;
+	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev;
+	int pass;
+
+	if (!gpu)
+		return NULL;
+	for (pass = 0; pass < 2; pass++) {
+		pdev = NULL;
+		for_each_pci_dev(pdev) {
+			if (pdev == gpu || !peermem_dma_capable(pdev) ||
+			    peermem_rdma_class(pdev) != (pass == 0) ||
+			    peermem_common_bridge(gpu, pdev) != near)
+				continue;
+			if (skip-- == 0) {
+				pci_dev_put(gpu);
+				return pdev;	/* for_each_pci_dev's reference */
+			}
+		}
+	}
+	pci_dev_put(gpu);
+	return NULL;
+}
+
+void peermem_pci_dev_put(struct pci_dev *pdev)
+{
+	pci_dev_put(pdev);
 }
 
 /* The upstream path of the PCI device behind @dev. 0 or -ENODEV. */

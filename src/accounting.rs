@@ -18,7 +18,11 @@ use crate::atomics::{
     Release, //
 };
 
-use crate::path::Class;
+use crate::path::{
+    Class,
+    Path,
+    Verdict, //
+};
 
 /// Pairs of (GPU, peer) tracked; `bar_window` keeps one slot per pair.
 pub(crate) const PAIRS: usize = 64;
@@ -79,6 +83,8 @@ struct PairSlot {
     ready: Atomic<u32>,
     class: Atomic<u32>,
     acs: Atomic<u32>,
+    /// An upstream bridge above both devices (`Path::shares_bridge`).
+    shares: Atomic<u32>,
     iommu: Atomic<u32>,
     registrations: Atomic<u64>,
     policy_refusals: Atomic<u64>,
@@ -96,6 +102,7 @@ impl PairSlot {
             ready: Atomic::new(0),
             class: Atomic::new(0),
             acs: Atomic::new(0),
+            shares: Atomic::new(0),
             iommu: Atomic::new(0),
             registrations: Atomic::new(0),
             policy_refusals: Atomic::new(0),
@@ -117,7 +124,14 @@ struct GpuSlot {
     usage: Atomic<u64>,
     /// High-water mark of the pinned units.
     max_units: Atomic<u64>,
+    /// The GPU driver's topology verdicts for this GPU's peers: below a
+    /// common bridge (bits 0-1) and not (bits 2-3), as [`Verdict`]s, and
+    /// [`GATE_LEARNT`] once asked.
+    gate: Atomic<u32>,
 }
+
+/// In a GPU's `gate` word: the driver was asked (whatever it answered).
+const GATE_LEARNT: u32 = 1 << 4;
 
 /// Where a GPU's live count starts in its `usage` word: 2^40 units of 64 KiB
 /// (64 EiB) below it, 2^24 live registrations above.
@@ -139,6 +153,7 @@ impl GpuSlot {
             ready: Atomic::new(0),
             usage: Atomic::new(0),
             max_units: Atomic::new(0),
+            gate: Atomic::new(0),
         }
     }
 }
@@ -191,6 +206,27 @@ pub(crate) fn gpu_bar(gpu: Gpu) -> (u64, u64) {
     (g.bar_start.load(Relaxed), g.bar_end.load(Relaxed))
 }
 
+/// The GPU driver's topology verdicts for `gpu`'s peers below a common
+/// bridge and not.
+pub(crate) fn gpu_gate(gpu: Gpu) -> (Verdict, Verdict) {
+    let w = GPU_TABLE[gpu.slot].gate.load(Acquire);
+    (Verdict::from_bits(w), Verdict::from_bits(w >> 2))
+}
+
+/// Whether the GPU driver's topology verdicts for `gpu` were learnt.
+pub(crate) fn gate_learnt(gpu: Gpu) -> bool {
+    GPU_TABLE[gpu.slot].gate.load(Relaxed) & GATE_LEARNT != 0
+}
+
+/// Records the GPU driver's topology verdicts for `gpu`'s peers; what was not
+/// asked counts as [`Verdict::Unverified`] from now on.
+pub(crate) fn set_gate(gpu: Gpu, near: Verdict, far: Verdict) {
+    let known = |v: Verdict| if v == Verdict::Unknown { Verdict::Unverified } else { v } as u32;
+    GPU_TABLE[gpu.slot]
+        .gate
+        .store(GATE_LEARNT | known(far) << 2 | known(near), Release);
+}
+
 /// Records a GPU whose BAR is `[start, end]`; `None` when the table is full.
 pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
     for (slot, g) in GPU_TABLE.iter().enumerate() {
@@ -213,6 +249,8 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Pair {
     pub(crate) slot: usize,
+    /// An upstream bridge above both devices (`Path::shares_bridge`).
+    pub(crate) shares_bridge: bool,
 }
 
 fn pair_key(gpu: u32, peer: u32) -> u64 {
@@ -223,32 +261,35 @@ fn pair_key(gpu: u32, peer: u32) -> u64 {
 pub(crate) fn find_pair(gpu: u32, peer: u32) -> Option<(Pair, Class)> {
     let key = pair_key(gpu, peer);
     PAIR_TABLE.iter().enumerate().find_map(|(slot, p)| {
+        let pair = Pair {
+            slot,
+            shares_bridge: p.shares.load(Relaxed) != 0,
+        };
         (p.key.load(Acquire) == key && p.ready.load(Acquire) != 0)
-            .then(|| Class::from_level(p.class.load(Relaxed)).map(|c| (Pair { slot }, c)))
+            .then(|| Class::from_level(p.class.load(Relaxed)).map(|c| (pair, c)))
             .flatten()
     })
 }
 
 /// Records a classified pair. Returns its slot and whether this call created
 /// it (the caller then logs it once); `None` when the table is full.
-pub(crate) fn add_pair(
-    gpu: u32,
-    peer: u32,
-    class: Class,
-    acs: bool,
-    iommu: u32,
-) -> Option<(Pair, bool)> {
+pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(Pair, bool)> {
     let key = pair_key(gpu, peer);
     for (slot, p) in PAIR_TABLE.iter().enumerate() {
+        let pair = Pair {
+            slot,
+            shares_bridge: path.shares_bridge,
+        };
         match p.key.cmpxchg(0, key, Acquire) {
             Ok(_) => {
-                p.class.store(class as u32, Relaxed);
-                p.acs.store(u32::from(acs), Relaxed);
+                p.class.store(path.class as u32, Relaxed);
+                p.acs.store(u32::from(path.acs_redirect), Relaxed);
+                p.shares.store(u32::from(path.shares_bridge), Relaxed);
                 p.iommu.store(iommu, Relaxed);
                 p.ready.store(1, Release);
-                return Some((Pair { slot }, true));
+                return Some((pair, true));
             }
-            Err(k) if k == key => return Some((Pair { slot }, false)),
+            Err(k) if k == key => return Some((pair, false)),
             Err(_) => continue,
         }
     }
@@ -447,6 +488,15 @@ pub(crate) fn show_paths(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     Ok(())
 }
 
+fn verdict_name(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Unknown => "unknown",
+        Verdict::Open => "open",
+        Verdict::Refused => "refused",
+        Verdict::Unverified => "unverified",
+    }
+}
+
 /// debugfs `gpus`.
 pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     for g in GPU_TABLE.iter() {
@@ -454,13 +504,16 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
             continue;
         }
         let usage = g.usage.load(Relaxed);
+        let gate = g.gate.load(Acquire);
         writeln!(
             f,
-            "gpu={} live={} pinned_bytes={} max_pinned_bytes={}",
+            "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={}",
             Bdf(g.id.load(Relaxed)),
             usage >> LIVE_SHIFT,
             (usage & UNITS_MASK) * UNIT,
-            g.max_units.load(Relaxed) * UNIT
+            g.max_units.load(Relaxed) * UNIT,
+            verdict_name(Verdict::from_bits(gate)),
+            verdict_name(Verdict::from_bits(gate >> 2)),
         )?;
     }
     Ok(())

@@ -96,6 +96,14 @@ extern "C" {
     pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
     /// The calling process's name into a 16-byte buffer.
     pub(crate) fn peermem_comm_of(tgid: u32, comm: *mut c_char);
+    /// The `skip`-th PCI device the GPU driver's topology gate can be asked
+    /// about for the GPU whose BAR holds `gpu_phys`: a bound bus master, not
+    /// a bridge, whose driver uses the DMA API, with (`near`) or without an
+    /// upstream bridge in common with the GPU; network and InfiniBand
+    /// devices first. A reference for [`peermem_pci_dev_put`], or NULL.
+    pub(crate) fn peermem_gate_candidate(gpu_phys: u64, near: bool, skip: c_uint) -> *mut pci_dev;
+    /// Drops a reference from [`peermem_gate_candidate`].
+    pub(crate) fn peermem_pci_dev_put(dev: *mut pci_dev);
 }
 
 /// `struct peermem_hop` of the C shim.

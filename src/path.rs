@@ -92,6 +92,10 @@ pub(crate) struct Path {
     pub(crate) class: Class,
     /// A bridge on the path redirects peer requests (ACS).
     pub(crate) acs_redirect: bool,
+    /// An upstream bridge sits above both devices: what the GPU driver's
+    /// topology gate asks (`nv_pci_has_common_pci_switch`, nv-pci.c), which
+    /// a root port above both answers too.
+    pub(crate) shares_bridge: bool,
 }
 
 fn is_switch(h: &Hop) -> bool {
@@ -110,6 +114,7 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
         return Path {
             class,
             acs_redirect: all_acs(),
+            shares_bridge: false,
         };
     }
     // The lowest bridge both hang below.
@@ -123,6 +128,7 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
         return Path {
             class: Class::Phb,
             acs_redirect: all_acs(),
+            shares_bridge: false,
         };
     };
     let below = || a.hops[..i].iter().chain(&b.hops[..j]);
@@ -141,5 +147,71 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
     Path {
         class,
         acs_redirect,
+        shares_bridge: true,
+    }
+}
+
+/// What the GPU driver's topology gate (real-driver-behaviour.md, fact 5)
+/// answers for one kind of a GPU's peers, as this module learnt it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Not asked yet.
+    Unknown = 0,
+    /// The driver maps for such peers.
+    Open = 1,
+    /// The driver refuses them (`-ENOTSUPP`).
+    Refused = 2,
+    /// The driver could not be asked (persistent pins refused, as under MIG
+    /// or vGPU, or no such peer to ask about).
+    Unverified = 3,
+}
+
+impl Verdict {
+    /// The verdict stored as `bits & 3`.
+    pub(crate) fn from_bits(bits: u32) -> Self {
+        match bits & 3 {
+            1 => Verdict::Open,
+            2 => Verdict::Refused,
+            3 => Verdict::Unverified,
+            _ => Verdict::Unknown,
+        }
+    }
+}
+
+/// The topology gate as the invalidating client applies it for the GPU
+/// driver, which it does not call while the core holds `mapping_lock`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Gate {
+    /// The driver would map for this peer.
+    Open,
+    /// The driver refuses this peer.
+    Refused,
+    /// The driver's verdict is not known and the pair shares no bridge.
+    Unverified,
+}
+
+/// The gate for a peer that does (`shares_bridge`) or does not sit below a
+/// bridge in common with the GPU, given the driver's verdicts for the GPU's
+/// peers of each kind (`near`, `far`).
+///
+/// The driver decides per GPU and peer only through a common upstream bridge
+/// (`nv_grdma_pci_topology_supported`, nv-pci.c: coherent platform, the
+/// override, passthrough and the chipset flag are the GPU's; then
+/// `nv_pci_has_common_pci_switch`), so one peer of each kind answers for all.
+/// A pair below a common bridge passes unless the driver refuses every peer
+/// (`NVreg_GrdmaPciTopoCheckOverride=2`); any other pair needs the driver's
+/// yes, or the operator's (`allow_unverified`).
+pub(crate) fn gate(
+    shares_bridge: bool,
+    near: Verdict,
+    far: Verdict,
+    allow_unverified: bool,
+) -> Gate {
+    let verdict = if shares_bridge { near } else { far };
+    match verdict {
+        Verdict::Refused => Gate::Refused,
+        Verdict::Open => Gate::Open,
+        _ if shares_bridge || allow_unverified => Gate::Open,
+        _ => Gate::Unverified,
     }
 }

@@ -76,6 +76,10 @@ module! {
             default: 0,
             description: "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)",
         },
+        allow_unverified_paths: i32 {
+            default: 0,
+            description: "0 [default]: the invalidating client refuses a GPU-peer pair with no PCIe switch in common when the GPU driver's topology verdict cannot be learnt (persistent pins refused: MIG, vGPU); 1: map for it",
+        },
         path_accounting: i32 {
             default: 1,
             description: "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)",
@@ -117,6 +121,12 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
 /// sysfs write), and reading a module parameter is a call per read.
 static PATH_POLICY: atomics::Atomic<u32> = atomics::Atomic::new(0);
 static PATH_ACCOUNTING: atomics::Atomic<u32> = atomics::Atomic::new(1);
+static ALLOW_UNVERIFIED: atomics::Atomic<u32> = atomics::Atomic::new(0);
+
+/// The `allow_unverified_paths` parameter.
+pub(crate) fn unverified_parameter() -> bool {
+    ALLOW_UNVERIFIED.load(atomics::Relaxed) != 0
+}
 
 /// The `path_policy` parameter.
 pub(crate) fn policy_parameter() -> i32 {
@@ -178,6 +188,11 @@ fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f,
         "param_path_accounting {}",
         compat::param::<i32>(module_parameters::path_accounting.value())
+    )?;
+    writeln!(
+        f,
+        "param_allow_unverified_paths {}",
+        compat::param::<i32>(module_parameters::allow_unverified_paths.value())
     )
 }
 
@@ -207,14 +222,16 @@ impl kernel::Module for NvidiaPeermem {
             return Err(EINVAL);
         }
         let accounting: i32 = compat::param(module_parameters::path_accounting.value());
-        if !(0..=1).contains(&accounting) {
-            pr_err!("invalid parameter path_accounting={accounting} (0 or 1)\n");
+        let unverified: i32 = compat::param(module_parameters::allow_unverified_paths.value());
+        if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
+            pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
             return Err(EINVAL);
         }
         // Before any client is registered (no registration can read them
         // earlier); validated above.
         PATH_POLICY.store(policy as u32, atomics::Relaxed);
         PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
+        ALLOW_UNVERIFIED.store(unverified as u32, atomics::Relaxed);
         let dir = Dir::new(c"nvidia_peermem");
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", (), &show_stats),

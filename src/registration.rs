@@ -56,6 +56,7 @@ use crate::{
         PageTable,
         PageView, //
     },
+    path::Gate,
     peer_device::PeerDevice,
     provider_map,
     range::{
@@ -76,7 +77,10 @@ use crate::{
         Cause,
         STATS, //
     },
-    topology::Route,
+    topology::{
+        self,
+        Route, //
+    },
 };
 
 /// How a registration's pages are pinned.
@@ -357,6 +361,9 @@ impl Registration {
                 if let Err(e) = called.pin(&reg) {
                     let e = Self::pin_refused(e, mode, &range)?;
                     called.enter().pin_error = Some(e);
+                } else if let Some(phys) = called.first_phys() {
+                    // No core lock is held here but `peer_memory_mutex`.
+                    topology::learn_gate(range.start, phys);
                 }
                 reg
             }
@@ -460,7 +467,7 @@ impl Registration {
 /// then maps, learns, explains refusals and counts failures). Never sleeps.
 #[inline(always)]
 fn window_run(pages: &PageView<'_>, route: &Route, peer: &PeerDevice) -> Option<Segment> {
-    if pages.coherent() || !route.allowed() {
+    if pages.coherent() || !route.allowed() || route.gate() != Gate::Open {
         return None;
     }
     let window = route.live_window(peer)?;
@@ -549,7 +556,16 @@ impl<A: Access> Called<'_, A> {
         let first = unsafe { table.pages() }.physical_address(0).unwrap_or(0);
         let route = Route::of(first, &peer);
         let persistent = A::MODE == Mode::Persistent;
-        let made = route.admit().and_then(|()| {
+        // The invalidating client maps without the GPU driver: it applies the
+        // driver's topology gate itself (the persistent one asks the driver).
+        let gate = || {
+            if persistent {
+                Ok(())
+            } else {
+                route.admit_gate()
+            }
+        };
+        let made = route.admit().and_then(|()| gate()).and_then(|()| {
             self.map_pages(table, peer, &route)
                 .inspect_err(|e| route.failed(*e, persistent))
         });
@@ -889,6 +905,21 @@ impl Called<'_, Locked> {
                 "GPU memory freed while pinning"
             )),
         }
+    }
+
+    /// The bus address of the pinned table's first page, if it is pinned and
+    /// of a layout this module knows.
+    fn first_phys(self) -> Option<u64> {
+        let range = self.range();
+        let g = self.enter();
+        let t = g.lc.pinned_table().ok()?;
+        // SAFETY: Pinned, so the table is ours; a free callback takes this
+        // lock before it revokes, and the provider frees the table only after
+        // the callback returns (fact 2): valid while the lock is held.
+        unsafe { t.check(&range) }.ok()?;
+        // SAFETY: as above, and checked just above; the view does not outlive
+        // the lock's section.
+        unsafe { t.pages() }.physical_address(0)
     }
 
     /// The GPU driver revoked the pages: tell the core, which stops the device

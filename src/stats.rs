@@ -35,9 +35,10 @@ pub(crate) enum Cause {
     Order,
     /// The path policy refused the GPU/peer pair.
     PathPolicy,
+    Topology,
 }
 
-const CAUSES: usize = 11;
+const CAUSES: usize = 12;
 
 impl Cause {
     fn index(self) -> usize {
@@ -57,6 +58,7 @@ impl Cause {
             Cause::Unpin => "unpin",
             Cause::Order => "order",
             Cause::PathPolicy => "path_policy",
+            Cause::Topology => "topology",
         }
     }
 
@@ -72,6 +74,7 @@ impl Cause {
         Cause::Unpin,
         Cause::Order,
         Cause::PathPolicy,
+        Cause::Topology,
     ];
 }
 
@@ -113,6 +116,9 @@ pub(crate) struct Stats {
     /// module than the one whose `acquire` made it (see `client::called`):
     /// 0 with a core that keeps a registration's client, as OFED's does.
     pub(crate) crossed_calls: Atomic<u64>,
+    /// Persistent pins made to ask the GPU driver's topology gate about a
+    /// GPU's peers (see `topology::learn_gate`): one per GPU per load.
+    pub(crate) topology_probes: Atomic<u64>,
     failures: [Atomic<u64>; CAUSES],
     logged: [Atomic<u32>; CAUSES],
 }
@@ -138,6 +144,7 @@ impl Stats {
             leaked_pins: Atomic::new(0),
             claim_waits: Atomic::new(0),
             crossed_calls: Atomic::new(0),
+            topology_probes: Atomic::new(0),
             failures: [const { Atomic::new(0) }; CAUSES],
             logged: [const { Atomic::new(0) }; CAUSES],
         }
@@ -181,6 +188,7 @@ impl Stats {
             ("leaked_pins", &self.leaked_pins),
             ("claim_waits", &self.claim_waits),
             ("crossed_calls", &self.crossed_calls),
+            ("topology_probes", &self.topology_probes),
         ];
         for (name, v) in plain {
             writeln!(f, "{name} {}", v.load(Relaxed))?;

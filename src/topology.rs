@@ -14,20 +14,35 @@ use crate::{
         Gpu,
         Pair, //
     },
-    bar_window, compat, ffi,
+    bar_window, compat, ffi, p2p,
     path::{
         self,
         Chain,
         Class,
+        Gate,
         Hop,
-        HopKind, //
+        HopKind,
+        Verdict, //
     },
     peer_device::PeerDevice,
+    range::{
+        GpuRange,
+        GPU_PAGE_SIZE, //
+    },
     stats::{
         fail,
-        Cause, //
+        Cause,
+        STATS, //
     },
 };
+
+use crate::atomics::Relaxed;
+
+/// The `allow_unverified_paths` parameter: map for a pair without a common
+/// bridge when the GPU driver's topology verdict could not be learnt.
+fn unverified_allowed() -> bool {
+    crate::unverified_parameter()
+}
 
 /// The refusal level of the path policy (`path_policy`): 0 allows every
 /// path; 1..=5 refuse paths worse than PIX..SYS.
@@ -163,8 +178,7 @@ impl Route {
             .then(|| classify(&chain, peer))
             .flatten()
             .and_then(|(p, iommu)| {
-                let (pair, new) =
-                    accounting::add_pair(gpu.id, peer_id, p.class, p.acs_redirect, iommu)?;
+                let (pair, new) = accounting::add_pair(gpu.id, peer_id, p, iommu)?;
                 if new {
                     log_new_pair(gpu.id, peer_id, p, iommu);
                 }
@@ -198,6 +212,59 @@ impl Route {
             Bdf(self.peer),
             class.name()
         ))
+    }
+
+    /// The GPU driver's topology gate (fact 5) for this route, which the
+    /// invalidating client applies itself: it maps BAR pages without the
+    /// driver, whose lock it must not take under the core's `mapping_lock`.
+    /// A route without a pair record counts as sharing no bridge.
+    #[inline(always)]
+    pub(crate) fn gate(&self) -> Gate {
+        let Some(gpu) = self.gpu else {
+            return path::gate(
+                false,
+                Verdict::Unknown,
+                Verdict::Unknown,
+                unverified_allowed(),
+            );
+        };
+        let (near, far) = accounting::gpu_gate(gpu);
+        let shares = self.pair.is_some_and(|(p, _)| p.shares_bridge);
+        path::gate(shares, near, far, unverified_allowed())
+    }
+
+    /// [`Route::gate`]'s verdict, a refusal counted on the pair and
+    /// explained once per pair.
+    #[inline(always)]
+    pub(crate) fn admit_gate(&self) -> Result {
+        match self.gate() {
+            Gate::Open => Ok(()),
+            g => Err(self.gate_refused(g)),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn gate_refused(&self, g: Gate) -> Error {
+        let e = compat::eopnotsupp();
+        let first = match &self.pair {
+            Some((pair, _)) => {
+                pair.failed(-e.to_errno());
+                pair.first_refusal()
+            }
+            None => true,
+        };
+        let (gpu, peer) = (Bdf(self.gpu.map_or(0, |g| g.id)), Bdf(self.peer));
+        if first && g == Gate::Refused {
+            pr_err!("GPU {gpu} and peer {peer}: the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path, so nv_mem does not map it either; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n");
+        } else if first {
+            pr_err!("GPU {gpu} and peer {peer}: no PCIe switch in common and the GPU driver's topology verdict could not be learnt (persistent pins refused, as under MIG or vGPU), so nv_mem refuses the path; load nvidia_peermem with allow_unverified_paths=1 if this platform supports peer-to-peer DMA between them\n");
+        }
+        fail!(
+            Cause::Topology,
+            e,
+            "refused by the topology gate: GPU {gpu} and peer {peer}"
+        )
     }
 
     /// Whether the path policy allows this route, without a word (the
@@ -260,4 +327,110 @@ impl Route {
         let gpu = self.gpu?;
         Some(accounting::charge(pair, gpu, tgid, bytes))
     }
+}
+
+/// The GPU whose BAR holds `phys`, recorded if new; `None` when it is no PCI
+/// device's or the table is full.
+fn gpu_of(phys: u64) -> Option<Gpu> {
+    if let Some(g) = accounting::gpu_by_phys(phys) {
+        return Some(g);
+    }
+    let mut chain = ffi::PeermemChain::default();
+    let (mut start, mut end) = (0u64, 0u64);
+    // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
+    let rc = unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) };
+    (rc == 0)
+        .then(|| accounting::add_gpu(chain.id, start, end))
+        .flatten()
+}
+
+/// Learns the GPU driver's topology verdicts (fact 5) for the GPU whose BAR
+/// holds `phys` once, from an invalidating `acquire` of `start`: there the
+/// core holds no `mapping_lock` (facts 11-12), so the driver may be called.
+// One call site (the invalidating `acquire`): inlined there.
+#[inline(always)]
+pub(crate) fn learn_gate(start: u64, phys: u64) {
+    match gpu_of(phys) {
+        Some(gpu) if !accounting::gate_learnt(gpu) => probe_gate(start, gpu),
+        _ => (),
+    }
+}
+
+/// Asks the GPU driver about one peer below a common bridge with `gpu` and
+/// one not, through a persistent pin of the GPU page at `start`: a
+/// non-persistent table could be freed by a free callback between two calls
+/// of the driver (fact 2), and waiting for such a callback while it holds the
+/// driver's lock would deadlock.
+#[cold]
+#[inline(never)]
+fn probe_gate(start: u64, gpu: Gpu) {
+    let range = GpuRange {
+        start,
+        len: GPU_PAGE_SIZE,
+    };
+    let table = match p2p::get_pages_persistent(&range) {
+        Ok(t) => t,
+        // MIG, vGPU: the driver cannot be asked this way, now or later.
+        Err(e) if e == compat::eopnotsupp() || e == EINVAL => {
+            return accounting::set_gate(gpu, Verdict::Unverified, Verdict::Unverified);
+        }
+        // Asked again by the next registration.
+        Err(_) => return,
+    };
+    STATS.topology_probes.add(1, Relaxed);
+    // SAFETY: pinned just above for `range`, unpinned only below.
+    let near = unsafe { ask_gate(&table, &range, true) };
+    // SAFETY: as above.
+    let far = unsafe { ask_gate(&table, &range, false) };
+    // SAFETY: a persistent pin of `range`, not unpinned before.
+    if let Err(e) = unsafe { table.put_persistent(&range) } {
+        STATS.leaked_pins.add(1, Relaxed);
+        fail!(
+            Cause::Unpin,
+            e,
+            "unpinning the topology probe at {start:#x} failed: the pin is lost"
+        );
+    }
+    accounting::set_gate(gpu, near, far);
+}
+
+/// The driver's verdict for the first of at most three candidate peers of
+/// the right kind that it answers about.
+///
+/// # Safety
+///
+/// `table` must be a live persistent pin of `range`.
+unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verdict {
+    // SAFETY: live (caller).
+    let phys = match unsafe { table.check(range) } {
+        // SAFETY: live and checked; the view does not outlive this line.
+        Ok(_) => unsafe { table.pages() }.physical_address(0),
+        Err(_) => None,
+    };
+    let Some(phys) = phys else {
+        return Verdict::Unknown;
+    };
+    for i in 0..3 {
+        // SAFETY: no preconditions; a reference on the device, or NULL.
+        let dev = unsafe { ffi::peermem_gate_candidate(phys, near, i) };
+        if dev.is_null() {
+            break;
+        }
+        // SAFETY: a live persistent table (caller) and a referenced device.
+        let verdict = match unsafe { table.dma_map(dev) } {
+            Ok(m) => {
+                // SAFETY: the mapping just made for `dev`; no callback exists.
+                let _ = unsafe { table.dma_unmap(dev, m) };
+                Verdict::Open
+            }
+            Err(e) if e == compat::eopnotsupp() => Verdict::Refused,
+            Err(_) => Verdict::Unknown,
+        };
+        // SAFETY: the reference the helper took.
+        unsafe { ffi::peermem_pci_dev_put(dev) };
+        if verdict != Verdict::Unknown {
+            return verdict;
+        }
+    }
+    Verdict::Unknown
 }

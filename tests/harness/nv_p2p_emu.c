@@ -302,13 +302,14 @@ static u32 deferred_teardown_ms;
 static u32 reuse_tables;
 static struct dentry *dbg_dir;
 
-#define TOPO_MAX	8
-static DEFINE_SPINLOCK(topo_lock);
-static struct {
-	int gpu;
-	char peer[32];
-} topo_deny[TOPO_MAX];
-static unsigned int topo_ndeny;
+/*
+ * The 580+ topology gate's inputs (K/nv-pci.c nv_grdma_pci_topology_supported):
+ * NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET, which RM sets at adapter init for a
+ * chipset not known to forward peer-to-peer traffic, and
+ * NVreg_GrdmaPciTopoCheckOverride (0: check, 1: allow, 2: deny).
+ */
+static u32 p2p_unsupported_chipset;
+static u32 topo_check_override;
 
 static int injected(int which)
 {
@@ -346,73 +347,30 @@ static const struct file_operations inject_fops = {
 	.write = inject_write,
 };
 
-/* "<gpu index> <peer PCI name>" adds a denied pair, "clear" clears them all. */
-static ssize_t topo_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+/* nv_pci_has_common_pci_switch(): an upstream bridge above both devices. */
+static bool common_upstream_bridge(struct pci_dev *gpu, struct pci_dev *peer)
 {
-	char buf[64], peer[32];
-	unsigned int i;
-	int gpu;
+	struct pci_dev *a, *b;
 
-	if (n >= sizeof(buf))
-		return -EINVAL;
-	if (copy_from_user(buf, ubuf, n))
-		return -EFAULT;
-	buf[n] = 0;
-	if (!strcmp(strim(buf), "clear")) {
-		spin_lock(&topo_lock);
-		topo_ndeny = 0;
-		spin_unlock(&topo_lock);
-		return n;
-	}
-	if (sscanf(buf, "%d %31s", &gpu, peer) != 2 || gpu < 0 || gpu >= MAX_GPUS)
-		return -EINVAL;
-	spin_lock(&topo_lock);
-	for (i = 0; i < topo_ndeny; i++)
-		if (topo_deny[i].gpu == gpu && !strcmp(topo_deny[i].peer, peer))
-			break;
-	if (i == topo_ndeny) {
-		if (topo_ndeny == TOPO_MAX) {
-			spin_unlock(&topo_lock);
-			return -ENOSPC;
-		}
-		topo_deny[i].gpu = gpu;
-		strscpy(topo_deny[i].peer, peer, sizeof(topo_deny[i].peer));
-		topo_ndeny++;
-	}
-	spin_unlock(&topo_lock);
-	return n;
+	for (a = pci_upstream_bridge(gpu); a; a = pci_upstream_bridge(a))
+		for (b = pci_upstream_bridge(peer); b; b = pci_upstream_bridge(b))
+			if (a == b)
+				return true;
+	return false;
 }
 
-static ssize_t topo_read(struct file *f, char __user *ubuf, size_t n, loff_t *pos)
+/* nv_grdma_pci_topology_supported() for a non-coherent, non-passthrough GPU. */
+static bool topo_supported(struct emu_gpu *g, struct pci_dev *peer)
 {
-	char buf[TOPO_MAX * 48];
-	unsigned int i;
-	int len = 0;
-
-	spin_lock(&topo_lock);
-	for (i = 0; i < topo_ndeny; i++)
-		len += scnprintf(buf + len, sizeof(buf) - len, "%d %s\n",
-				 topo_deny[i].gpu, topo_deny[i].peer);
-	spin_unlock(&topo_lock);
-	return simple_read_from_buffer(ubuf, n, pos, buf, len);
-}
-
-static const struct file_operations topo_fops = {
-	.owner = THIS_MODULE,
-	.read = topo_read,
-	.write = topo_write,
-};
-
-static bool topo_denied(int gpu, struct pci_dev *peer)
-{
-	bool denied = false;
-	unsigned int i;
-
-	spin_lock(&topo_lock);
-	for (i = 0; i < topo_ndeny && !denied; i++)
-		denied = topo_deny[i].gpu == gpu && !strcmp(topo_deny[i].peer, pci_name(peer));
-	spin_unlock(&topo_lock);
-	return denied;
+	switch (READ_ONCE(topo_check_override)) {
+	case 1:
+		return true;
+	case 2:
+		return false;
+	}
+	if (READ_ONCE(p2p_unsupported_chipset))
+		return common_upstream_bridge(g->pdev, peer);
+	return true;
 }
 
 /* --- allocations ---------------------------------------------------------- */
@@ -1014,7 +972,7 @@ static int dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *pag
 		err = -EINVAL;
 		goto unlock;
 	}
-	if (topo_denied(g->index, peer)) {
+	if (!topo_supported(g, peer)) {
 		atomic64_inc(&st_topo_refusals);
 		pr_info_ratelimited("NVRM: GPU %d (%s) and peer %s: GPUDirect RDMA not supported by topology (no common PCIe switch)\n",
 				    g->index, pci_name(g->pdev), pci_name(peer));
@@ -1500,7 +1458,8 @@ static int __init emu_init(void)
 	debugfs_create_u32("dma_map_style", 0600, dbg_dir, &dma_map_style);
 	debugfs_create_u32("deferred_teardown_ms", 0600, dbg_dir, &deferred_teardown_ms);
 	debugfs_create_u32("reuse_tables", 0600, dbg_dir, &reuse_tables);
-	debugfs_create_file("topo_deny", 0600, dbg_dir, NULL, &topo_fops);
+	debugfs_create_u32("p2p_unsupported_chipset", 0600, dbg_dir, &p2p_unsupported_chipset);
+	debugfs_create_u32("topo_check_override", 0600, dbg_dir, &topo_check_override);
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);

@@ -59,8 +59,10 @@ struct nvemu_info {
  *   deferred_teardown_ms  0: off; else an exiting owner's allocations are torn down (callbacks
  *                         included) that long later on the "nv_queue" kernel thread
  *   reuse_tables          1: a new pin gets the address of the most recently freed page table
- *   topo_deny             "<gpu index> <peer PCI name>" adds a pair whose dma_map_pages fails
- *                         with -ENOTSUPP (524); "clear" clears; read lists the pairs (at most 8)
+ *   p2p_unsupported_chipset  1: the chipset is flagged as unsafe for peer-to-peer
+ *                         (NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET): dma_map_pages fails with
+ *                         -ENOTSUPP (524) for a peer with no upstream bridge in common with the GPU
+ *   topo_check_override   NVreg_GrdmaPciTopoCheckOverride: 0 check, 1 allow, 2 deny every peer
  */
 #define NVEMU_DMA_MAP_PAGES	0	/* one dma_map_resource per 64 KiB page, ascending (RM; default) */
 #define NVEMU_DMA_MAP_SHUFFLED	1	/* one per page, pages mapped in a seeded random order */

@@ -15,7 +15,7 @@ use std::{
 };
 
 use crate::{
-    dev::{Core, Gpu},
+    dev::{Alloc, Core, Gpu},
     module,
     scenarios::{errno_name, expect_err, pattern, reg_verify, stat},
     uapi::*,
@@ -560,8 +560,15 @@ fn exit_order(ctx: &mut Ctx, order: ExitOrder) -> Result<String, String> {
             })?;
             let gi = ctx.gpu().info();
             let (p, u, c) = pins_ended(&gi0, &gi);
+            // Ours pins once per registration: exactly one pin, ended by one
+            // unpin. NVIDIA's module pins and unpins once more in acquire.
+            let exact = if ours(ctx) {
+                p == 1 && u == 1 && c == 0
+            } else {
+                c == 0 && p == u && u >= 1
+            };
             ensure!(
-                c == 0 && p == u && u >= 1,
+                exact,
                 "release in the owner must unpin every pin: {p} pins, {u} unpins, {c} callbacks"
             );
             "release unpinned in the exiting owner, teardown found nothing".to_string()
@@ -708,10 +715,16 @@ pub fn table_address_reuse(ctx: &mut Ctx) -> Result<String, String> {
     let gi = ctx.gpu().info();
     let (p, u, c) = pins_ended(&gi0, &gi);
     // Every pin ends exactly once, and each revoked registration by its
-    // callback only (ours pins once per registration; NVIDIA's module pins
-    // and unpins once more in acquire).
+    // callback only. Ours pins once per registration: A's pin ends by its
+    // callback, B's by one unpin. NVIDIA's module pins and unpins once more
+    // in each acquire.
+    let exact = if ours(ctx) {
+        p == 2 * rounds && u == rounds && c == rounds
+    } else {
+        p == u + c && c == rounds
+    };
     ensure!(
-        p == u + c && c == rounds,
+        exact,
         "{rounds} rounds: {p} pins, {u} unpins, {c} callbacks"
     );
     Ok(format!(
@@ -820,65 +833,216 @@ pub fn memlock_charged_first(ctx: &mut Ctx) -> Result<String, String> {
     Ok("over the limit: ENOMEM before any client; under: registered".into())
 }
 
-/// The 580+ topology gate (fact 5): the GPU driver refuses to map for a
-/// peer it does not share a switch with. User space gets EOPNOTSUPP (never
-/// 524). The invalidating client maps BAR pages itself and is not gated.
+/// The PCI bridges above a device, from the root down (its sysfs path).
+fn bridges_above(bdf: &str) -> Vec<String> {
+    let path = std::fs::canonicalize(format!("/sys/bus/pci/devices/{bdf}")).unwrap_or_default();
+    let mut parts: Vec<String> = path
+        .iter()
+        .map(|c| c.to_string_lossy().into_owned())
+        .skip_while(|c| !c.starts_with("pci"))
+        .skip(1)
+        .collect();
+    parts.pop();
+    parts
+}
+
+/// Whether the GPUs and the HCA sit below an upstream bridge in common (what
+/// the GPU driver's gate asks); the layouts this runs in agree for all GPUs.
+fn gpus_share_bridge_with(hca: &str) -> Result<bool, String> {
+    let up = bridges_above(hca);
+    let shares: Vec<bool> = std::fs::read_dir("/sys/bus/pci/drivers/nv_p2p_emu")
+        .map_err(|e| format!("GPU devices: {e}"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(':'))
+        .map(|g| bridges_above(&g).iter().zip(&up).any(|(a, b)| a == b))
+        .collect();
+    ensure!(!shares.is_empty(), "no GPU bound");
+    ensure!(
+        shares.iter().all(|&s| s == shares[0]),
+        "the GPUs differ in sharing a bridge with the HCA"
+    );
+    Ok(shares[0])
+}
+
+/// The module under test loaded anew with its mode's parameters and `extra`:
+/// the GPU driver's chipset flag and override are read when nvidia.ko loads,
+/// and every client loads after it.
+/// No registration is made before the scenario's own (see `Ctx::settle`).
+fn reload_with(ctx: &mut Ctx, extra: &[&str]) -> Result<(), String> {
+    ctx.unload()?;
+    let mut params = ctx.mode.params();
+    params.extend_from_slice(extra);
+    module::insmod(&ctx.opts.peermem, &params)
+}
+
+fn kernel_log() -> String {
+    std::process::Command::new("dmesg")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// An MR on `a` as the module under test answers it: the errno, or the bytes
+/// of a DMA write through it checked and the MR deregistered.
+fn mr_outcome(ctx: &mut Ctx, a: &Alloc) -> Result<Result<(), i32>, String> {
+    let h = match ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP) {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    let seed = ctx.rand();
+    let moved = ctx.core.dma_write(h, 4096, &pattern(seed, 0, 256));
+    ctx.core.dereg(h).map_err(errno_name)?;
+    moved.map_err(|e| format!("DMA through the MR: {}", errno_name(e)))?;
+    ensure!(
+        a.read(4096, 256) == pattern(seed, 0, 256),
+        "DMA went elsewhere"
+    );
+    Ok(Ok(()))
+}
+
+/// What the GPU driver's topology verdicts for GPU 0 read in `gpus`.
+fn gate_of_gpus() -> String {
+    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter(|w| w.starts_with("gate_"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The 580+ topology gate (fact 5) on a chipset flagged as unsafe for
+/// peer-to-peer: the GPU driver refuses a peer with no upstream bridge in
+/// common with the GPU. User space gets EOPNOTSUPP (never 524) from every
+/// client: the persistent ones ask the driver, the invalidating one (which
+/// maps BAR pages itself) learns the driver's verdict in `acquire` and
+/// applies it. NVreg_GrdmaPciTopoCheckOverride=1 lets the pair map; where
+/// the driver cannot be asked (persistent pins refused, as under MIG) the
+/// pair is refused unless `allow_unverified_paths=1`.
 pub fn topology_gate(ctx: &mut Ctx) -> Result<String, String> {
+    let r = topology_gate_steps(ctx);
+    // The knobs are back: the next scenarios get a module that learns anew.
+    let reloaded = ctx.unload().and_then(|()| ctx.load());
+    r.and_then(|d| reloaded.map(|()| d))
+}
+
+fn topology_gate_steps(ctx: &mut Ctx) -> Result<String, String> {
     let hca = hca_device().ok_or("no HCA bound")?;
-    let _k = Knob::set(format!("{EMU}/topo_deny"), &format!("0 {hca}"), "clear")?;
+    let shares = gpus_share_bridge_with(&hca)?;
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let flag = Knob::emu("p2p_unsupported_chipset", "1")?;
+    reload_with(ctx, &[])?;
     let gi0 = ctx.gpu().info();
     // A CQ/QP umem is persistent in every mode: the GPU driver maps it.
-    let r = ctx.core.reg(a.va, M, 0);
+    let cq = ctx.core.reg(a.va, M, 0);
     let gi1 = ctx.gpu().info();
-    let persistent = match r {
-        Ok(h) => {
-            ctx.core.dereg(h).map_err(errno_name)?;
-            return Err("the topology gate was not applied".into());
-        }
-        Err(e) => e,
-    };
-    ensure!(persistent != 524, "ENOTSUPP (524) leaked to user space");
-    if ours(ctx) {
+    let mr = mr_outcome(ctx, &a)?;
+    let mut detail = format!(
+        "shared bridge: {shares}; flagged chipset: CQ {}, MR {}",
+        cq.as_ref()
+            .map_or_else(|e| errno_name(*e), |_| "mapped".into()),
+        mr.map_or_else(errno_name, |()| "mapped".into())
+    );
+    if let Ok(h) = cq {
+        ctx.core.dereg(h).map_err(errno_name)?;
+    }
+    if shares {
         ensure!(
-            persistent == libc::EOPNOTSUPP,
-            "gated mapping: user got {}, expected EOPNOTSUPP",
-            errno_name(persistent)
+            cq.is_ok() && mr.is_ok(),
+            "a pair below a common bridge was refused: {detail}"
         );
+        return Ok(detail);
     }
     ensure!(
         gi1.topo_refusals == gi0.topo_refusals + 1,
         "the gate refused {} times",
         gi1.topo_refusals - gi0.topo_refusals
     );
+    let cq = cq
+        .err()
+        .ok_or("the topology gate was not applied to the CQ umem")?;
+    let mr = mr
+        .err()
+        .ok_or("the MR was mapped on a path the GPU driver refuses")?;
+    ensure!(
+        cq != 524 && mr != 524,
+        "ENOTSUPP (524) leaked to user space"
+    );
     if ours(ctx) {
-        // The refusal is explained once per pair, and counted on the pair.
-        let log = std::process::Command::new("dmesg")
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default();
         ensure!(
-            log.lines()
-                .any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(&hca)),
-            "the topology refusal was not explained in the log"
+            cq == libc::EOPNOTSUPP && mr == libc::EOPNOTSUPP,
+            "gated mappings: user got {} and {}, expected EOPNOTSUPP",
+            errno_name(cq),
+            errno_name(mr)
         );
-        let paths = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
-            .map_err(|e| format!("paths: {e}"))?;
-        ensure!(
-            paths
-                .lines()
-                .any(|l| l.contains(&format!("hca={hca}")) && l.contains("EOPNOTSUPP:")),
-            "the refusal is not counted on the pair: {paths}"
-        );
+        topology_explained(ctx, &hca)?;
     }
-    let mut detail = format!("persistent: {}", errno_name(persistent));
-    if ctx.mode.invalidating() && ours(ctx) {
-        let h = ctx
-            .core
-            .reg(a.va, M, PMC_REG_INVAL_SUPP)
-            .map_err(|e| format!("invalidating MR: {}", errno_name(e)))?;
-        ctx.core.dereg(h).map_err(errno_name)?;
-        detail.push_str("; invalidating MR mapped by the client, not gated");
+    let over = Knob::emu("topo_check_override", "1")?;
+    reload_with(ctx, &[])?;
+    mr_outcome(ctx, &a)?
+        .map_err(|e| format!("NVreg_GrdmaPciTopoCheckOverride=1: MR {}", errno_name(e)))?;
+    drop(over);
+    detail.push_str("; override: mapped");
+    if ours(ctx) && ctx.mode.invalidating() {
+        detail.push_str(&unverified_paths(ctx, &a)?);
     }
+    drop(flag);
     Ok(detail)
+}
+
+/// Ours on a flagged chipset: the refusal explained once per pair, counted on
+/// the pair, and (invalidating) learnt with one persistent pin at load.
+fn topology_explained(ctx: &Ctx, hca: &str) -> Result<(), String> {
+    let log = kernel_log();
+    ensure!(
+        log.lines()
+            .any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(hca)),
+        "the topology refusal was not explained in the log"
+    );
+    let paths = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
+        .map_err(|e| format!("paths: {e}"))?;
+    ensure!(
+        paths
+            .lines()
+            .any(|l| l.contains(&format!("hca={hca}")) && l.contains("EOPNOTSUPP:")),
+        "the refusal is not counted on the pair: {paths}"
+    );
+    if ctx.mode.invalidating() {
+        let gates = gate_of_gpus();
+        ensure!(gates.contains("gate_other=refused"), "gpus: {gates}");
+        ensure!(
+            stat("fail_topology") >= 1,
+            "the invalidating client's refusal is not counted"
+        );
+    }
+    Ok(())
+}
+
+/// Ours, invalidating, flagged chipset, the driver's persistent pins refused
+/// (as under MIG): the pair is refused with a line naming the parameter, and
+/// maps with `allow_unverified_paths=1`.
+fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
+    reload_with(ctx, &[])?;
+    module::inject("get_pages_persistent", 1, 524)?;
+    let mr = mr_outcome(ctx, a)?;
+    module::inject("get_pages_persistent", 0, 524)?;
+    let gates = gate_of_gpus();
+    expect_err(mr.map(|()| 0), libc::EOPNOTSUPP, "an unverifiable pair")?;
+    ensure!(gates.contains("gate_other=unverified"), "gpus: {gates}");
+    ensure!(
+        stat("topology_probes") == 0,
+        "a probe was counted without its pin"
+    );
+    ensure!(
+        kernel_log()
+            .lines()
+            .any(|l| l.contains("allow_unverified_paths=1")),
+        "the refusal does not name allow_unverified_paths"
+    );
+    reload_with(ctx, &["allow_unverified_paths=1"])?;
+    module::inject("get_pages_persistent", 1, 524)?;
+    let mr = mr_outcome(ctx, a)?;
+    module::inject("get_pages_persistent", 0, 524)?;
+    mr.map_err(|e| format!("allow_unverified_paths=1: MR {}", errno_name(e)))?;
+    Ok("; unverifiable: EOPNOTSUPP, mapped with allow_unverified_paths=1".into())
 }

@@ -125,7 +125,29 @@ impl Ctx {
             "/sys/module/peer_mem_core/parameters/variant",
             self.mode.core_variant(),
         )?;
-        module::insmod(&self.opts.peermem, &self.mode.params())
+        module::insmod(&self.opts.peermem, &self.mode.params())?;
+        self.settle();
+        Ok(())
+    }
+
+    /// The first invalidating registration on a GPU after a load asks the
+    /// GPU driver's topology gate with a persistent pin of its own
+    /// (`topology_probes`): one registration per GPU here, so that each
+    /// scenario counts only its own pins. `topology_gate` checks the probe.
+    fn settle(&self) {
+        let Some(g) = self.gpu.as_ref() else {
+            return;
+        };
+        if self.opts.reference || !self.mode.invalidating() {
+            return;
+        }
+        for i in 0..g.info().gpus {
+            if let Ok(a) = g.alloc(i, 1 << 16) {
+                if let Ok(h) = self.core.reg(a.va, 1 << 16, uapi::PMC_REG_INVAL_SUPP) {
+                    let _ = self.core.dereg(h);
+                }
+            }
+        }
     }
 
     pub fn unload(&self) -> Result<(), String> {

@@ -660,6 +660,50 @@ mod path_tests {
         let p = classify(&chain(&a), &chain(&b));
         assert_eq!(p.class, Class::Pix);
         assert!(!p.acs_redirect);
+        assert!(p.shares_bridge);
+    }
+
+    #[test]
+    fn topology_gate() {
+        use Verdict::*;
+        // A pair below a common bridge: open unless the driver refuses all.
+        for far in [Unknown, Open, Refused, Unverified] {
+            assert_eq!(gate(true, Unknown, far, false), Gate::Open);
+            assert_eq!(gate(true, Unverified, far, false), Gate::Open);
+            assert_eq!(gate(true, Open, far, false), Gate::Open);
+            assert_eq!(gate(true, Refused, far, true), Gate::Refused);
+        }
+        // Any other pair: the driver's word, else the operator's.
+        for near in [Unknown, Open, Refused, Unverified] {
+            assert_eq!(gate(false, near, Open, false), Gate::Open);
+            assert_eq!(gate(false, near, Refused, true), Gate::Refused);
+            assert_eq!(gate(false, near, Unknown, false), Gate::Unverified);
+            assert_eq!(gate(false, near, Unverified, false), Gate::Unverified);
+            assert_eq!(gate(false, near, Unverified, true), Gate::Open);
+            assert_eq!(gate(false, near, Unknown, true), Gate::Open);
+        }
+        for b in 0..8 {
+            assert_eq!(Verdict::from_bits(b) as u32, b & 3);
+        }
+    }
+
+    #[test]
+    fn a_root_port_above_both_is_a_shared_bridge() {
+        // Two switches below one root port: PHB, but the GPU driver's gate
+        // finds the root port above both.
+        let a = [
+            hop(DSP1, HopKind::SwitchDown),
+            hop(USP, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        let b = [
+            hop(0x400, HopKind::SwitchDown),
+            hop(0x401, HopKind::SwitchUp),
+            hop(RP1, HopKind::RootPort),
+        ];
+        let p = classify(&chain(&a), &chain(&b));
+        assert_eq!(p.class, Class::Phb);
+        assert!(p.shares_bridge);
     }
 
     #[test]
@@ -690,6 +734,10 @@ mod path_tests {
         assert_eq!(classify(&chain(&a), &chain(&b)).class, Class::Phb);
         assert_eq!(classify(&chain(&[]), &chain(&[])).class, Class::Phb);
         assert_eq!(classify(&chain(&a), &chain(&[])).class, Class::Phb);
+        // Nothing above both: the GPU driver's gate finds no switch.
+        assert!(!classify(&chain(&a), &chain(&b)).shares_bridge);
+        assert!(!classify(&chain(&[]), &chain(&[])).shares_bridge);
+        assert!(!classify(&chain(&a), &chain(&[])).shares_bridge);
     }
 
     #[test]
@@ -716,6 +764,7 @@ mod path_tests {
             numa: -1,
             hops: &b,
         };
+        assert!(!classify(&ca, &same_node).shares_bridge);
         assert_eq!(classify(&ca, &same_node).class, Class::Node);
         assert_eq!(classify(&ca, &other_node).class, Class::Sys);
         assert_eq!(classify(&ca, &unknown).class, Class::Node);

@@ -60,6 +60,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "crossed_calls",
         "core calls through another client than the registration's (0 expected)",
     ),
+    (
+        "topology_probes",
+        "persistent pins made to ask the GPU driver's topology gate (one per GPU per load)",
+    ),
     ("fail_bad_range", "empty or overflowing range"),
     ("fail_pin", "GPU driver refused to pin"),
     ("fail_page_table", "unknown page table version or page size"),
@@ -78,12 +82,20 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "registration refused by the path policy",
     ),
     (
+        "fail_topology",
+        "registration refused by the GPU driver's topology gate, applied by the invalidating client",
+    ),
+    (
         "param_path_policy",
         "path policy: 0 = allow all; 1..5 = refuse paths worse than PIX, PXB, PHB, NODE, SYS",
     ),
     (
         "param_path_accounting",
         "per pair, GPU and process accounting: 1 = on, 0 = off",
+    ),
+    (
+        "param_allow_unverified_paths",
+        "invalidating client: 1 = map for a pair without a common switch whose topology verdict could not be learnt",
     ),
 ];
 
