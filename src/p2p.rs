@@ -383,6 +383,17 @@ impl<'a> PageView<'a> {
         Some(unsafe { (*page).physical_address })
     }
 
+    /// As [`PageView::one_run`] for a view of at most `max_pages` pages;
+    /// `None` for a longer one, whose pages are not read: a caller inside a
+    /// spinlock's section keeps the section short whatever the MR's size.
+    #[inline(always)]
+    pub(crate) fn one_run_of_at_most(&self, page: u64, max_pages: usize) -> Option<(u64, u64)> {
+        if self.entries > max_pages {
+            return None;
+        }
+        self.one_run(page)
+    }
+
     /// The pages as one run of bus addresses, each page `page` bytes after
     /// the one before: its first address and length; `None` when a page
     /// has no address or does not follow, or when there is no page.

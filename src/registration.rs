@@ -461,6 +461,12 @@ impl Registration {
     }
 }
 
+/// The most pages [`window_run`] reads inside the registration's lock (4 MiB):
+/// the section with preemption off stays bounded whatever the MR's size; a
+/// longer MR is mapped the general way, which reads its table outside the
+/// lock.
+pub(crate) const WINDOW_RUN_PAGES: u64 = 64;
+
 /// The segment through which `peer` reaches `pages` when they are one run
 /// inside the live window of `route`'s pair, as `bar_map` would place it,
 /// for a route the path policy allows; `None` otherwise (the general way
@@ -472,11 +478,11 @@ fn window_run(pages: &PageView<'_>, route: &Route, peer: &PeerDevice) -> Option<
     }
     let window = route.live_window(peer)?;
     // One entry, as `bar_map` would make it: a run no longer than the
-    // device's segments may be.
-    let (addr, len) = pages.one_run(GPU_PAGE_SIZE)?;
-    if len > segment_limit(peer.max_segment(), GPU_PAGE_SIZE) {
-        return None;
-    }
+    // device's segments may be, decided from the page count before any page
+    // is read.
+    let segment_pages = segment_limit(peer.max_segment(), GPU_PAGE_SIZE) / GPU_PAGE_SIZE;
+    let max = core::cmp::min(segment_pages, WINDOW_RUN_PAGES) as usize;
+    let (addr, len) = pages.one_run_of_at_most(GPU_PAGE_SIZE, max)?;
     window.segment(Segment { addr, len })
 }
 
@@ -628,6 +634,7 @@ impl<A: Access> Called<'_, A> {
         g.lc.map_succeeded(DeviceMap::Window).ok()?;
         self.installed(&mut g, &route);
         STATS.window_maps.add(1, Relaxed);
+        STATS.single_section_maps.add(1, Relaxed);
         // SAFETY: `sg_head` as promised by the caller; the slot holds the
         // entry of the map just installed.
         Some(unsafe { self.sg_slot.publish(sg_head) })

@@ -116,6 +116,9 @@ pub(crate) struct Stats {
     /// module than the one whose `acquire` made it (see `client::called`):
     /// 0 with a core that keeps a registration's client, as OFED's does.
     pub(crate) crossed_calls: Atomic<u64>,
+    /// Of `window_maps`, those made in one section of the registration's
+    /// lock (at most `WINDOW_RUN_PAGES` pages; see `registration`).
+    pub(crate) single_section_maps: Atomic<u64>,
     /// Persistent pins made to ask the GPU driver's topology gate about a
     /// GPU's peers (see `topology::learn_gate`): one per GPU per load.
     pub(crate) topology_probes: Atomic<u64>,
@@ -145,6 +148,7 @@ impl Stats {
             claim_waits: Atomic::new(0),
             crossed_calls: Atomic::new(0),
             topology_probes: Atomic::new(0),
+            single_section_maps: Atomic::new(0),
             failures: [const { Atomic::new(0) }; CAUSES],
             logged: [const { Atomic::new(0) }; CAUSES],
         }
@@ -182,6 +186,7 @@ impl Stats {
             ("core_invalidations", &self.core_invalidations),
             ("sg_entries", &self.sg_entries),
             ("window_maps", &self.window_maps),
+            ("single_section_maps", &self.single_section_maps),
             ("foreign_releases", &self.foreign_releases),
             ("orphaned_pins", &self.orphaned_pins),
             ("stranded_pins", &self.stranded_pins),

@@ -943,6 +943,42 @@ mod p2p_tests {
         Ok(())
     }
 
+    /// Whether `n` contiguous pages are one run for a caller that reads at
+    /// most `max` of them.
+    fn bounded_run(n: u64, max: usize) -> Result<Option<(u64, u64)>> {
+        let base = 0x38_0000_0000u64;
+        let mut pages = KVec::with_capacity(n as usize, GFP_KERNEL)?;
+        for i in 0..n {
+            // SAFETY: an all-zero page is a valid value of the C struct.
+            let mut p: ffi::nvidia_p2p_page = unsafe { core::mem::zeroed() };
+            p.physical_address = base + i * PAGE;
+            pages.push(p, GFP_KERNEL)?;
+        }
+        let mut ptrs = KVec::with_capacity(n as usize, GFP_KERNEL)?;
+        for p in pages.iter_mut() {
+            ptrs.push(&raw mut *p, GFP_KERNEL)?;
+        }
+        // SAFETY: `ptrs` holds `n` pointers into `pages`, both alive until
+        // the view is gone.
+        let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), n as usize) };
+        Ok(view.one_run_of_at_most(PAGE, max))
+    }
+
+    #[test]
+    fn the_window_section_reads_a_bounded_number_of_pages() -> Result {
+        let base = 0x38_0000_0000u64;
+        let max = crate::registration::WINDOW_RUN_PAGES;
+        // Up to the bound: the run, as one_run finds it.
+        assert_eq!(bounded_run(max, max as usize)?, Some((base, max * PAGE)));
+        assert_eq!(bounded_run(1, max as usize)?, Some((base, PAGE)));
+        // One page more, or 64 MiB: the general way, pages unread.
+        assert_eq!(bounded_run(max + 1, max as usize)?, None);
+        assert_eq!(bounded_run(1024, max as usize)?, None);
+        // A device whose segments hold fewer pages bounds it further.
+        assert_eq!(bounded_run(8, 4)?, None);
+        Ok(())
+    }
+
     #[test]
     fn provider_errors_never_leak_enotsupp() {
         assert_eq!(provider_error(-524), compat::eopnotsupp());

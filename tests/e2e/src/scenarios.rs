@@ -171,6 +171,11 @@ pub const ALL: &[Scenario] = &[
         run: bar_window,
     },
     Scenario {
+        name: "window_section_bounded",
+        applies: ours_invalidating_any,
+        run: window_section_bounded,
+    },
+    Scenario {
         name: "dma_unmap_failure",
         applies: always,
         run: hostile::dma_unmap_failure,
@@ -1596,6 +1601,43 @@ fn leaked_at_unbind() -> usize {
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// The one-section mapping inside a BAR window reads at most 64 pages under
+/// the registration's spinlock: a 4 MiB MR is mapped in one section, a
+/// 4 MiB + 64 KiB and a 64 MiB MR the general way (their tables read
+/// outside the lock), each in the window as one entry with its bytes moved.
+/// A translated HCA has no window: none is mapped either way.
+fn window_section_bounded(ctx: &mut Ctx) -> Result<String, String> {
+    let untranslated = !hostile::iommu_translates();
+    let a = ctx.gpu().alloc(0, 64 * M).map_err(errno_name)?;
+    let mut seen = Vec::new();
+    for (len, one_section) in [(4 * M, true), (4 * M + K64, false), (64 * M, false)] {
+        let (s0, w0) = (stat("single_section_maps"), stat("window_maps"));
+        let q = reg_verify(ctx, &a, 0, len, PMC_REG_INVAL_SUPP)?;
+        let (s, w) = (stat("single_section_maps") - s0, stat("window_maps") - w0);
+        let want = (
+            u64::from(untranslated),
+            u64::from(untranslated && one_section),
+        );
+        ensure!(
+            (w, s) == want,
+            "{} KiB: {w} window maps, {s} in one section (want {want:?})",
+            len >> 10
+        );
+        ensure!(
+            !untranslated || q.nmap == 1,
+            "{} KiB: {} entries",
+            len >> 10,
+            q.nmap
+        );
+        seen.push(format!(
+            "{}K:{}",
+            len >> 10,
+            if s == 1 { "one section" } else { "general" }
+        ));
+    }
+    Ok(seen.join(" "))
 }
 
 /// One round of `bar_window` with the HCA's current IOMMU setting.

@@ -36,6 +36,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "non-persistent mappings made in a whole-BAR window (untranslated peers)",
     ),
     (
+        "single_section_maps",
+        "window mappings made in one section of the registration's lock (at most 64 pages)",
+    ),
+    (
         "bar_windows",
         "whole-BAR DMA windows live (one per GPU/peer pair without IOMMU translation)",
     ),
