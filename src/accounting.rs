@@ -271,17 +271,27 @@ pub(crate) fn find_pair(gpu: u32, peer: u32) -> Option<(Pair, Class)> {
     })
 }
 
-/// Records a classified pair. Returns its slot and whether this call created
-/// it (the caller then logs it once); `None` when the table is full.
+/// Records a classified pair in one of the first `pair_table_slots` slots.
+/// Returns its slot and whether this call created it (the caller then logs
+/// it once); `None` when those slots are full.
 pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(Pair, bool)> {
     let key = pair_key(gpu, peer);
-    for (slot, p) in PAIR_TABLE.iter().enumerate() {
+    let slots = crate::pair_slots_parameter();
+    for (slot, p) in PAIR_TABLE.iter().enumerate().take(slots) {
         let pair = Pair {
             slot,
             shares_bridge: path.shares_bridge,
         };
         match p.key.cmpxchg(0, key, Acquire) {
             Ok(_) => {
+                // A reused slot starts with the new pair's own counts.
+                p.registrations.store(0, Relaxed);
+                p.policy_refusals.store(0, Relaxed);
+                for f in &p.failures {
+                    f.store(0, Relaxed);
+                }
+                p.last_failure.store(0, Relaxed);
+                p.refusal_logged.store(0, Relaxed);
                 p.class.store(path.class as u32, Relaxed);
                 p.acs.store(u32::from(path.acs_redirect), Relaxed);
                 p.shares.store(u32::from(path.shares_bridge), Relaxed);
@@ -294,6 +304,23 @@ pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(P
         }
     }
     None
+}
+
+/// Frees the slots of the pairs that the PCI device `id` is part of, after
+/// `retire(slot)` for each: the device lost its driver, so no registration
+/// maps for it any more (the core keeps a peer bound while it maps for it),
+/// and the next pairs may take the slots. A pair being recorded is left.
+pub(crate) fn forget_pairs_of(id: u32, mut retire: impl FnMut(usize)) {
+    for (slot, p) in PAIR_TABLE.iter().enumerate() {
+        let key = p.key.load(Acquire);
+        let (gpu, peer) = ((key >> 32) as u32 & 0x7fff_ffff, key as u32);
+        if key == 0 || (gpu != id && peer != id) || p.ready.load(Acquire) == 0 {
+            continue;
+        }
+        retire(slot);
+        p.ready.store(0, Relaxed);
+        p.key.store(0, Release);
+    }
 }
 
 impl Pair {
@@ -413,8 +440,10 @@ fn proc_remove(i: usize, bytes: u64) {
 /// process `tgid`.
 // One call site per client mode (`Route::charge` in each `dma_map`).
 #[inline(always)]
-pub(crate) fn charge(pair: Pair, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
-    pair.slot().registrations.add(1, Relaxed);
+pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
+    if let Some(pair) = pair {
+        pair.slot().registrations.add(1, Relaxed);
+    }
     let g = &GPU_TABLE[gpu.slot];
     let step = usage_step(bytes);
     let now = (g.usage.fetch_add(step, Relaxed) + step) & UNITS_MASK;

@@ -282,11 +282,18 @@ pub(crate) fn live() -> usize {
         .count()
 }
 
-/// `dev` lost its driver (C shim, bus notifier): its windows go.
+/// `dev` lost its driver (C shim, bus notifier): its windows go, and so do
+/// the pairs it is part of, with their windows on other devices (a GPU's).
 #[no_mangle]
 extern "C" fn peermem_device_unbound(dev: *mut bindings::device) {
     for s in &SLOTS {
         retire(s, Some(dev));
+    }
+    let (mut id, mut seg) = (0u32, 0);
+    // SAFETY: the notifier's device, alive during the notification; valid
+    // out-pointers.
+    if !unsafe { ffi::peermem_peer_of(dev, &mut id, &mut seg) }.is_null() {
+        crate::accounting::forget_pairs_of(id, |slot| retire(&SLOTS[slot], None));
     }
 }
 

@@ -80,6 +80,10 @@ module! {
             default: 0,
             description: "0 [default]: the invalidating client refuses a GPU-peer pair with no PCIe switch in common when the GPU driver's topology verdict cannot be learnt (persistent pins refused: MIG, vGPU); 1: map for it",
         },
+        pair_table_slots: i32 {
+            default: 64,
+            description: "GPU-peer pairs tracked (1..64, default 64): per-pair counts in debugfs paths and BAR windows; a pair without a slot is classified at each registration",
+        },
         path_accounting: i32 {
             default: 1,
             description: "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)",
@@ -122,6 +126,12 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
 static PATH_POLICY: atomics::Atomic<u32> = atomics::Atomic::new(0);
 static PATH_ACCOUNTING: atomics::Atomic<u32> = atomics::Atomic::new(1);
 static ALLOW_UNVERIFIED: atomics::Atomic<u32> = atomics::Atomic::new(0);
+static PAIR_SLOTS: atomics::Atomic<u32> = atomics::Atomic::new(accounting::PAIRS as u32);
+
+/// The `pair_table_slots` parameter: how many pair slots are used.
+pub(crate) fn pair_slots_parameter() -> usize {
+    PAIR_SLOTS.load(atomics::Relaxed) as usize
+}
 
 /// The `allow_unverified_paths` parameter.
 pub(crate) fn unverified_parameter() -> bool {
@@ -193,6 +203,11 @@ fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f,
         "param_allow_unverified_paths {}",
         compat::param::<i32>(module_parameters::allow_unverified_paths.value())
+    )?;
+    writeln!(
+        f,
+        "param_pair_table_slots {}",
+        compat::param::<i32>(module_parameters::pair_table_slots.value())
     )
 }
 
@@ -227,11 +242,20 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
             return Err(EINVAL);
         }
+        let slots: i32 = compat::param(module_parameters::pair_table_slots.value());
+        if !(1..=accounting::PAIRS as i32).contains(&slots) {
+            pr_err!(
+                "invalid parameter pair_table_slots={slots} (1..{})\n",
+                accounting::PAIRS
+            );
+            return Err(EINVAL);
+        }
         // Before any client is registered (no registration can read them
         // earlier); validated above.
         PATH_POLICY.store(policy as u32, atomics::Relaxed);
         PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
         ALLOW_UNVERIFIED.store(unverified as u32, atomics::Relaxed);
+        PAIR_SLOTS.store(slots as u32, atomics::Relaxed);
         let dir = Dir::new(c"nvidia_peermem");
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", (), &show_stats),

@@ -51,10 +51,20 @@ pub(crate) fn policy_level() -> i32 {
 }
 
 /// What is known of one registration's route.
+///
+/// The path's class and whether a bridge sits above both devices are known
+/// whether or not the pair has a slot in the accounting's table: a pair
+/// without one is classified at each registration, and the path policy and
+/// the topology gate hold for it all the same.
 pub(crate) struct Route {
     gpu: Option<Gpu>,
+    /// The GPU's PCI address (0: not found).
+    gpu_id: u32,
     peer: u32,
-    pair: Option<(Pair, Class)>,
+    /// The path's class, if the devices could be classified.
+    class: Option<Class>,
+    shares_bridge: bool,
+    pair: Option<Pair>,
 }
 
 fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
@@ -143,16 +153,20 @@ impl Route {
     pub(crate) fn known(phys: u64, peer: &PeerDevice) -> Option<Self> {
         let peer_id = peer.id();
         let gpu = accounting::gpu_by_phys(phys)?;
-        let found = accounting::find_pair(gpu.id, peer_id)?;
+        let (pair, class) = accounting::find_pair(gpu.id, peer_id)?;
         Some(Self {
             gpu: Some(gpu),
+            gpu_id: gpu.id,
             peer: peer_id,
-            pair: Some(found),
+            class: Some(class),
+            shares_bridge: pair.shares_bridge,
+            pair: Some(pair),
         })
     }
 
-    /// A new pair, maybe of a new GPU (rare): walks the PCI devices,
-    /// classifies the pair and records both.
+    /// A new pair, maybe of a new GPU (rare), or a pair without a slot:
+    /// walks the PCI devices, classifies the pair and records what the
+    /// tables have room for.
     #[cold]
     #[inline(never)]
     fn new_pair(phys: u64, known: Option<Gpu>, peer: &PeerDevice) -> Self {
@@ -162,31 +176,32 @@ impl Route {
         // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
         let rc = unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) };
         let found = rc == 0;
-        let gpu = match known {
-            Some(g) => Some(g),
-            None if found => accounting::add_gpu(chain.id, start, end),
-            None => None,
-        };
-        let Some(gpu) = gpu else {
-            return Self {
-                gpu: None,
-                peer: peer_id,
-                pair: None,
+        let gpu = known.or_else(|| {
+            found
+                .then(|| accounting::add_gpu(chain.id, start, end))
+                .flatten()
+        });
+        let path = found.then(|| classify(&chain, peer)).flatten();
+        let pair = path.and_then(|(p, iommu)| {
+            let Some((pair, new)) = accounting::add_pair(chain.id, peer_id, p, iommu) else {
+                kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and debugfs paths does not show them\n");
+                return None;
             };
-        };
-        let pair = found
-            .then(|| classify(&chain, peer))
-            .flatten()
-            .and_then(|(p, iommu)| {
-                let (pair, new) = accounting::add_pair(gpu.id, peer_id, p, iommu)?;
-                if new {
-                    log_new_pair(gpu.id, peer_id, p, iommu);
-                }
-                Some((pair, p.class))
-            });
+            if new {
+                log_new_pair(chain.id, peer_id, p, iommu);
+            }
+            Some(pair)
+        });
         Self {
-            gpu: Some(gpu),
+            gpu,
+            gpu_id: if found {
+                chain.id
+            } else {
+                gpu.map_or(0, |g| g.id)
+            },
             peer: peer_id,
+            class: path.map(|(p, _)| p.class),
+            shares_bridge: path.is_some_and(|(p, _)| p.shares_bridge),
             pair,
         }
     }
@@ -198,20 +213,25 @@ impl Route {
         if self.allowed() {
             return Ok(());
         }
-        let Some((pair, class)) = &self.pair else {
-            return Ok(());
-        };
+        Err(self.refused_by_policy())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refused_by_policy(&self) -> Error {
         let level = policy_level();
-        pair.refused_by_policy();
+        if let Some(pair) = &self.pair {
+            pair.refused_by_policy();
+        }
         let limit = Class::from_level(level as u32).map_or("?", Class::name);
-        Err(fail!(
+        fail!(
             Cause::PathPolicy,
             EPERM,
             "refused by path_policy={level}: the path between GPU {} and peer {} is {}, worse than {limit}",
-            Bdf(self.gpu.map_or(0, |g| g.id)),
+            Bdf(self.gpu_id),
             Bdf(self.peer),
-            class.name()
-        ))
+            self.class.map_or("not classifiable", Class::name)
+        )
     }
 
     /// The GPU driver's topology gate (fact 5) for this route, which the
@@ -229,8 +249,7 @@ impl Route {
             );
         };
         let (near, far) = accounting::gpu_gate(gpu);
-        let shares = self.pair.is_some_and(|(p, _)| p.shares_bridge);
-        path::gate(shares, near, far, unverified_allowed())
+        path::gate(self.shares_bridge, near, far, unverified_allowed())
     }
 
     /// [`Route::gate`]'s verdict, a refusal counted on the pair and
@@ -247,23 +266,25 @@ impl Route {
     #[inline(never)]
     fn gate_refused(&self, g: Gate) -> Error {
         let e = compat::eopnotsupp();
-        let first = match &self.pair {
-            Some((pair, _)) => {
-                pair.failed(-e.to_errno());
-                pair.first_refusal()
-            }
-            None => true,
-        };
-        let (gpu, peer) = (Bdf(self.gpu.map_or(0, |g| g.id)), Bdf(self.peer));
+        // A pair without a slot is explained by the once-per-cause line.
+        let first = self.pair.is_some_and(|pair| {
+            pair.failed(-e.to_errno());
+            pair.first_refusal()
+        });
+        let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
         if first && g == Gate::Refused {
             pr_err!("GPU {gpu} and peer {peer}: the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path, so nv_mem does not map it either; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n");
         } else if first {
             pr_err!("GPU {gpu} and peer {peer}: no PCIe switch in common and the GPU driver's topology verdict could not be learnt (persistent pins refused, as under MIG or vGPU), so nv_mem refuses the path; load nvidia_peermem with allow_unverified_paths=1 if this platform supports peer-to-peer DMA between them\n");
         }
+        let why = match g {
+            Gate::Refused => "the GPU driver refuses peer-to-peer DMA on this path (NVreg_GrdmaPciTopoCheckOverride)",
+            _ => "no common PCIe switch and the GPU driver's verdict unknown (allow_unverified_paths)",
+        };
         fail!(
             Cause::Topology,
             e,
-            "refused by the topology gate: GPU {gpu} and peer {peer}"
+            "refused by the topology gate: GPU {gpu} and peer {peer}: {why}"
         )
     }
 
@@ -272,10 +293,9 @@ impl Route {
     #[inline(always)]
     pub(crate) fn allowed(&self) -> bool {
         let level = policy_level();
-        match &self.pair {
-            Some((_, class)) => level <= 0 || (*class as i32) <= level,
-            None => true,
-        }
+        // A path that could not be classified passes only a policy that
+        // allows every path.
+        level <= 0 || self.class.is_some_and(|c| (c as i32) <= level)
     }
 
     /// A registration on this route failed with `e`; explains a refusal by
@@ -283,16 +303,16 @@ impl Route {
     #[cold]
     #[inline(never)]
     pub(crate) fn failed(&self, e: Error, by_driver_map: bool) {
-        let Some((pair, class)) = &self.pair else {
+        let Some(pair) = &self.pair else {
             return;
         };
         pair.failed(-e.to_errno());
         if by_driver_map && e == compat::eopnotsupp() && pair.first_refusal() {
             pr_err!(
                 "nvidia_p2p_dma_map_pages refused GPU {} and peer {} (path {}): the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n",
-                Bdf(self.gpu.map_or(0, |g| g.id)),
+                Bdf(self.gpu_id),
                 Bdf(self.peer),
-                class.name()
+                self.class.map_or("?", Class::name)
             );
         }
     }
@@ -300,7 +320,7 @@ impl Route {
     /// The pair's whole-BAR window for `peer` (see `bar_window`), if its DMA
     /// is untranslated.
     pub(crate) fn window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
-        let (pair, _) = self.pair.as_ref()?;
+        let pair = self.pair.as_ref()?;
         let bar = accounting::gpu_bar(self.gpu?);
         // SAFETY: the core keeps `peer` alive and bound while it maps for it
         // (the `PeerDevice` invariant; we are inside its `dma_map`).
@@ -311,7 +331,7 @@ impl Route {
     /// [`bar_window::live`]); never makes one.
     #[inline(always)]
     pub(crate) fn live_window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
-        let (pair, _) = self.pair.as_ref()?;
+        let pair = self.pair.as_ref()?;
         bar_window::live_for(pair.slot, peer.dev())
     }
 
@@ -323,9 +343,8 @@ impl Route {
         if !crate::accounting_parameter() {
             return None;
         }
-        let (pair, _) = self.pair?;
         let gpu = self.gpu?;
-        Some(accounting::charge(pair, gpu, tgid, bytes))
+        Some(accounting::charge(self.pair, gpu, tgid, bytes))
     }
 }
 

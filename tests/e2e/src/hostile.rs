@@ -869,7 +869,7 @@ fn gpus_share_bridge_with(hca: &str) -> Result<bool, String> {
 /// the GPU driver's chipset flag and override are read when nvidia.ko loads,
 /// and every client loads after it.
 /// No registration is made before the scenario's own (see `Ctx::settle`).
-fn reload_with(ctx: &mut Ctx, extra: &[&str]) -> Result<(), String> {
+pub(crate) fn reload_with(ctx: &mut Ctx, extra: &[&str]) -> Result<(), String> {
     ctx.unload()?;
     let mut params = ctx.mode.params();
     params.extend_from_slice(extra);

@@ -134,7 +134,7 @@ impl Ctx {
     /// GPU driver's topology gate with a persistent pin of its own
     /// (`topology_probes`): one registration per GPU here, so that each
     /// scenario counts only its own pins. `topology_gate` checks the probe.
-    fn settle(&self) {
+    pub(crate) fn settle(&self) {
         let Some(g) = self.gpu.as_ref() else {
             return;
         };

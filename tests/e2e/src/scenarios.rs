@@ -171,6 +171,11 @@ pub const ALL: &[Scenario] = &[
         run: bar_window,
     },
     Scenario {
+        name: "pair_table_full",
+        applies: ours,
+        run: pair_table_full,
+    },
+    Scenario {
         name: "window_section_bounded",
         applies: ours_invalidating_any,
         run: window_section_bounded,
@@ -1601,6 +1606,86 @@ fn leaked_at_unbind() -> usize {
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// The pair lines of debugfs `paths`.
+fn pair_lines() -> Vec<String> {
+    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// More GPU/HCA pairs than the pair table has slots (`pair_table_slots=1`,
+/// two GPUs): the path policy refuses the pair without a slot as it refuses
+/// the one with it (never a silent yes), a pair without a slot maps under a
+/// policy that allows it, and the slot of a pair whose HCA lost its driver
+/// goes to the next pair.
+fn pair_table_full(ctx: &mut Ctx) -> Result<String, String> {
+    let r = pair_table_steps(ctx);
+    let reloaded = ctx.unload().and_then(|()| ctx.load());
+    r.and_then(|d| reloaded.map(|()| d))
+}
+
+fn pair_table_steps(ctx: &mut Ctx) -> Result<String, String> {
+    let hca = hostile::hca_device().ok_or("no HCA bound to the core's driver")?;
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let b = ctx.gpu().alloc(1, M).map_err(errno_name)?;
+    // PHB paths (the default layout) are worse than PXB: both refused.
+    hostile::reload_with(ctx, &["pair_table_slots=1", "path_policy=2"])?;
+    expect_err(
+        ctx.core.reg(a.va, M, PMC_REG_INVAL_SUPP),
+        libc::EPERM,
+        "GPU 0, with a slot",
+    )?;
+    expect_err(
+        ctx.core.reg(b.va, M, PMC_REG_INVAL_SUPP),
+        libc::EPERM,
+        "GPU 1, without a slot",
+    )?;
+    ensure!(
+        stat("fail_path_policy") == 2,
+        "{} policy refusals",
+        stat("fail_path_policy")
+    );
+    let lines = pair_lines();
+    ensure!(
+        lines.len() == 1 && lines[0].contains("policy_refusals=1"),
+        "paths with one slot: {lines:?}"
+    );
+    // A policy that allows every path: the pair without a slot maps.
+    hostile::reload_with(ctx, &["pair_table_slots=1"])?;
+    ctx.settle();
+    reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
+    let first = pair_lines();
+    reg_verify(ctx, &b, 0, M, PMC_REG_INVAL_SUPP)?;
+    ensure!(
+        pair_lines() == first,
+        "the pair without a slot took one: {:?}",
+        pair_lines()
+    );
+    // The HCA loses its driver: its pair's slot is free for GPU 1's.
+    hca_driver(&hca, false)?;
+    let gone = pair_lines();
+    hca_driver(&hca, true)?;
+    ensure!(gone.is_empty(), "pairs of an unbound HCA left: {gone:?}");
+    reg_verify(ctx, &b, 0, M, PMC_REG_INVAL_SUPP)?;
+    let reused = pair_lines();
+    let gpu_of = |l: &str| l.split_whitespace().next().unwrap_or("").to_string();
+    ensure!(
+        reused.len() == 1 && first.len() == 1 && gpu_of(&reused[0]) != gpu_of(&first[0]),
+        "slot not reused: before {first:?}, after {reused:?}"
+    );
+    ensure!(
+        reused[0].contains("registrations=1 ") && reused[0].contains("failures=-"),
+        "the reused slot kept the old pair's counts: {}",
+        reused[0]
+    );
+    Ok(format!(
+        "policy held without a slot; slot reused: {}",
+        gpu_of(&reused[0])
+    ))
 }
 
 /// The one-section mapping inside a BAR window reads at most 64 pages under

@@ -98,6 +98,10 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "per pair, GPU and process accounting: 1 = on, 0 = off",
     ),
     (
+        "param_pair_table_slots",
+        "GPU/peer pairs tracked (per-pair counts and BAR windows)",
+    ),
+    (
         "param_allow_unverified_paths",
         "invalidating client: 1 = map for a pair without a common switch whose topology verdict could not be learnt",
     ),
