@@ -65,6 +65,19 @@ pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {
     comm
 }
 
+/// A process as a log line names it: `<tgid> (<name>)`, the name empty once
+/// it has exited.
+pub(crate) struct Process(pub(crate) u32);
+
+impl kernel::fmt::Display for Process {
+    fn fmt(&self, f: &mut kernel::fmt::Formatter<'_>) -> kernel::fmt::Result {
+        let comm = comm_of(self.0);
+        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+        let name = core::str::from_utf8(&comm[..end]).unwrap_or("?");
+        write!(f, "{} ({name})", self.0)
+    }
+}
+
 /// `-EOPNOTSUPP`.
 pub(crate) fn eopnotsupp() -> Error {
     Error::from_errno(-(bindings::EOPNOTSUPP as i32))

@@ -781,7 +781,7 @@ impl<A: Access> Called<'_, A> {
         // registration, and any process may unpin it: its release needs
         // neither the thread's nor the process's id.
         let ids = (A::MODE == Mode::Invalidating).then(compat::current_ids);
-        let (r, charge) = {
+        let (r, charge, owner) = {
             let mut g = self.enter();
             if let Some((me, _)) = ids {
                 while g.in_core.is_some_and(|t| t != me) {
@@ -789,21 +789,18 @@ impl<A: Access> Called<'_, A> {
                 }
             }
             self.holds_map.store(0, Relaxed);
+            let owner = g.lc.owner().unwrap_or(0);
             let r = g.lc.release(ids.map_or(0, |(_, tgid)| tgid));
             // A persistent pin's life ends here, and its count with it
             // (released once the unpin returned).
             let charge = if r.ended { g.charge.take() } else { None };
-            (r, charge)
+            (r, charge, owner)
         };
         drop(r.map);
         if r.orphaned {
             STATS.foreign_releases.add(1, Relaxed);
             STATS.orphaned_pins.add(1, Relaxed);
-            reg_dbg!(
-                "release of {:#x}+{:#x} in another process: the pin stays until the GPU memory is freed",
-                self.range().start,
-                self.range().len
-            );
+            self.held_pin("released in another process than the pinning one", owner);
         }
         match r.unpin {
             Some(table) if r.ended => self.unpin_persistent(table, charge),
@@ -844,6 +841,7 @@ impl<A: Access> Called<'_, A> {
             }
             Unpinned::Stranded => {
                 STATS.stranded_pins.add(1, Relaxed);
+                self.held_pin("nvidia_p2p_put_pages failed", compat::current_tgid());
                 fail!(
                     Cause::Unpin,
                     err,
@@ -861,6 +859,20 @@ impl<A: Access> Called<'_, A> {
             // reference: our caller holds the core's.
             drop(unsafe { cb.reclaim(self.reg) });
         }
+    }
+
+    /// One line for each pin the core let go of that this module keeps (an
+    /// orphaned or stranded pin): it holds the module, and nvidia.ko, loaded
+    /// until the GPU driver's free callback ends it.
+    #[cold]
+    #[inline(never)]
+    fn held_pin(&self, why: &str, owner: u32) {
+        let (start, len) = (self.range().start, self.range().len);
+        pr_warn!(
+            "{why}: GPU memory {start:#x}+{len:#x} ({len} bytes) pinned by process {} stays pinned until that process frees it or exits; until then nvidia_peermem and nvidia cannot be unloaded (released by process {})\n",
+            compat::Process(owner),
+            compat::Process(compat::current_tgid())
+        );
     }
 
     /// Waits on the module's queue (`core_left`), counted in `waiters` so

@@ -226,6 +226,7 @@ pub fn hca_device() -> Option<String> {
 pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
     let mut out = Vec::new();
     for free_first in [false, true] {
+        let held0 = held_pin_lines("released in another process");
         let gi0 = ctx.gpu().info();
         let (fr0, cb0) = (stat("foreign_releases"), gi0.callbacks);
         let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
@@ -252,9 +253,23 @@ pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
             a.unmap();
         }
         child.go();
+        let child_pid = child.pid;
         ensure!(child.wait() == 0, "child failed");
         let gi1 = ctx.gpu().info();
         if !free_first && ours(ctx) {
+            // One line names the pinning process, the size and the releaser.
+            let held = held_pin_lines("released in another process");
+            let me = std::process::id();
+            ensure!(
+                held.len() == held0.len() + 1
+                    && held.last().is_some_and(|l| {
+                        l.contains(&format!("pinned by process {me} ("))
+                            && l.contains(&format!("({} bytes)", M + (64 << 10)))
+                            && l.contains(&format!("released by process {child_pid} ("))
+                    }),
+                "the orphaned pin was not explained: {:?}",
+                held.last()
+            );
             ensure!(
                 stat("foreign_releases") == fr0 + 1,
                 "the release in the child was not recognised as foreign"
@@ -290,6 +305,16 @@ pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
     Ok(out.join(", "))
 }
 
+/// The kernel log's lines about pins kept after the core let go of them
+/// (orphaned, stranded), of the given cause.
+fn held_pin_lines(why: &str) -> Vec<String> {
+    kernel_log()
+        .lines()
+        .filter(|l| l.contains(why) && l.contains("stays pinned until that process frees it"))
+        .map(str::to_string)
+        .collect()
+}
+
 /// Deregisters `h` while the GPU driver's `func` fails once with EIO (the
 /// deregistration itself must still succeed).
 fn dereg_with_failing(ctx: &mut Ctx, h: u64, func: &str) -> Result<(), String> {
@@ -302,6 +327,7 @@ fn dereg_with_failing(ctx: &mut Ctx, h: u64, func: &str) -> Result<(), String> {
 /// A failed unpin (fact 8) leaves the pin and its callback armed; the later
 /// free must find the registration alive, and the pin must be reported.
 pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
+    let held0 = held_pin_lines("nvidia_p2p_put_pages failed");
     let gi0 = ctx.gpu().info();
     let f0 = stat("fail_unpin");
     let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
@@ -317,6 +343,17 @@ pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
     );
     if ours(ctx) {
         ensure!(stat("stranded_pins") == 1, "stranded pin not counted");
+        let held = held_pin_lines("nvidia_p2p_put_pages failed");
+        let me = std::process::id();
+        ensure!(
+            held.len() == held0.len() + 1
+                && held.last().is_some_and(|l| {
+                    l.contains(&format!("pinned by process {me} ("))
+                        && l.contains(&format!("({M} bytes)"))
+                }),
+            "the stranded pin was not explained: {:?}",
+            held.last()
+        );
         ensure!(stat("fail_unpin") == f0 + 1, "unpin failure not reported");
         ensure!(
             !module::rmmod("nvidia_peermem")?,
