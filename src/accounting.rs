@@ -12,6 +12,7 @@
 use core::fmt;
 
 use crate::atomics::{
+    AcqRel,
     Acquire,
     Atomic,
     Relaxed,
@@ -118,7 +119,11 @@ struct GpuSlot {
     bar_start: Atomic<u64>,
     bar_end: Atomic<u64>,
     id: Atomic<u32>,
+    /// Published: `bar_end` and `id` are valid.
     ready: Atomic<u32>,
+    /// The GPU lost its driver: 1 until its last registration's charge is
+    /// released, then 2 while the slot is freed.
+    retired: Atomic<u32>,
     /// Live registrations << LIVE_SHIFT | pinned 64 KiB units: one atomic
     /// update per charge and per release.
     usage: Atomic<u64>,
@@ -151,6 +156,7 @@ impl GpuSlot {
             bar_end: Atomic::new(0),
             id: Atomic::new(0),
             ready: Atomic::new(0),
+            retired: Atomic::new(0),
             usage: Atomic::new(0),
             max_units: Atomic::new(0),
             gate: Atomic::new(0),
@@ -228,21 +234,74 @@ pub(crate) fn set_gate(gpu: Gpu, near: Verdict, far: Verdict) {
 }
 
 /// Records a GPU whose BAR is `[start, end]`; `None` when the table is full.
+/// A record is handed out only once published, also to a racer that finds
+/// it being made: a BAR window made from it then covers the whole BAR.
 pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
     for (slot, g) in GPU_TABLE.iter().enumerate() {
         match g.bar_start.cmpxchg(0, start, Acquire) {
             Ok(_) => {
+                // A freed slot starts anew (a rebind may bring another BAR).
                 g.bar_end.store(end, Relaxed);
                 g.id.store(id, Relaxed);
+                g.gate.store(0, Relaxed);
+                g.max_units.store(0, Relaxed);
+                g.retired.store(0, Relaxed);
                 g.ready.store(1, Release);
                 return Some(Gpu { slot, id });
             }
-            // Someone recorded this very BAR first.
-            Err(s) if s == start => return Some(Gpu { slot, id }),
+            // Someone is recording this very BAR: its record, once published.
+            Err(s) if s == start && g.retired.load(Acquire) == 0 => return published(g, slot),
             Err(_) => continue,
         }
     }
     None
+}
+
+/// How long a racer waits for another thread's record of the same GPU: the
+/// recorder is a few stores from publishing it.
+const PUBLISH_SPINS: u32 = 1 << 16;
+
+/// `g`'s record once published, `None` if it is not within
+/// [`PUBLISH_SPINS`] or it was retired meanwhile (the caller goes without).
+fn published(g: &GpuSlot, slot: usize) -> Option<Gpu> {
+    for _ in 0..PUBLISH_SPINS {
+        if g.ready.load(Acquire) != 0 {
+            return Some(Gpu {
+                slot,
+                id: g.id.load(Relaxed),
+            });
+        }
+        if g.retired.load(Acquire) != 0 {
+            return None;
+        }
+        crate::atomics::spin_loop();
+    }
+    None
+}
+
+/// The GPU `id` lost its driver: its record is not found any more, and its
+/// slot is freed once the last registration charged to it is released (a
+/// rebind may bring another BAR, whose first registration records it anew).
+pub(crate) fn retire_gpu(id: u32) {
+    for g in GPU_TABLE.iter() {
+        if g.bar_start.load(Acquire) == 0 || g.ready.load(Acquire) == 0 || g.id.load(Relaxed) != id
+        {
+            continue;
+        }
+        g.retired.store(1, Release);
+        g.ready.store(0, Release);
+        free_if_idle(g);
+    }
+}
+
+/// Frees a retired GPU's slot if nothing is charged to it (once).
+fn free_if_idle(g: &GpuSlot) {
+    if g.retired.load(Acquire) == 1
+        && g.usage.load(Acquire) == 0
+        && g.retired.cmpxchg(1, 2, Acquire).is_ok()
+    {
+        g.bar_start.store(0, Release);
+    }
 }
 
 /// A pair's slot and what is known of its path.
@@ -466,7 +525,10 @@ impl Charge {
     /// The registration's pin ended; `bytes` is what it was charged with.
     pub(crate) fn release(self, bytes: u64) {
         let g = &GPU_TABLE[usize::from(self.gpu.get() - 1)];
-        g.usage.fetch_sub(usage_step(bytes), Relaxed);
+        let step = usage_step(bytes);
+        if g.usage.fetch_sub(step, AcqRel) == step {
+            free_if_idle(g);
+        }
         if self.proc_slot != NO_PROC {
             proc_remove(usize::from(self.proc_slot), bytes);
         }

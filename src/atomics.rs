@@ -26,6 +26,7 @@ use core::{
 };
 
 pub(crate) use core::sync::atomic::Ordering::{
+    AcqRel,
     Acquire,
     Relaxed,
     Release, //

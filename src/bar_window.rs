@@ -294,6 +294,7 @@ extern "C" fn peermem_device_unbound(dev: *mut bindings::device) {
     // out-pointers.
     if !unsafe { ffi::peermem_peer_of(dev, &mut id, &mut seg) }.is_null() {
         crate::accounting::forget_pairs_of(id, |slot| retire(&SLOTS[slot], None));
+        crate::accounting::retire_gpu(id);
     }
 }
 

@@ -111,6 +111,7 @@ struct emu_gpu {
 	unsigned long *used;
 	u32 *bar1_refs;		/* pins per 64 KiB page: pins of one page share its BAR1 mapping */
 	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
+	bool gone;		/* unbound: no allocation, pin or mapping reaches it */
 };
 
 struct emu_alloc {
@@ -920,7 +921,7 @@ static struct emu_gpu *gpu_by_uuid(const u8 *uuid)
 	int i;
 
 	for (i = 0; i < ngpus; i++)
-		if (!memcmp(gpus[i]->uuid, uuid, NVIDIA_P2P_GPU_UUID_LEN))
+		if (!gpus[i]->gone && !memcmp(gpus[i]->uuid, uuid, NVIDIA_P2P_GPU_UUID_LEN))
 			return gpus[i];
 	return NULL;
 }
@@ -1208,6 +1209,8 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 	if (arg.gpu >= ngpus || !arg.size || arg.size > (1ULL << 40))
 		return -EINVAL;
 	g = gpus[arg.gpu];
+	if (READ_ONCE(g->gone))
+		return -ENODEV;
 	chunks = DIV_ROUND_UP(arg.size, GPU_PAGE);
 	a = kzalloc(sizeof(*a), GFP_KERNEL);
 	if (!a)
@@ -1216,6 +1219,11 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 	INIT_WORK(&a->race_work, race_free_fn);
 	kthread_init_work(&a->defer_work, deferred_teardown_fn);
 	rm_lock();
+	if (g->gone) {
+		rm_unlock();
+		kfree(a);
+		return -ENODEV;
+	}
 	start = bitmap_find_next_zero_area(g->used, g->nchunks, 0, chunks, 0);
 	if (start >= g->nchunks) {
 		rm_unlock();
@@ -1267,6 +1275,8 @@ static long emu_info_ioctl(struct nvemu_info __user *uarg)
 	rm_lock();
 	info.gpus = ngpus;
 	for (i = 0; i < ngpus; i++) {
+		if (gpus[i]->gone)
+			continue;
 		info.bar_size[i] = gpus[i]->bar1_budget;
 		info.bar_free[i] = gpus[i]->bar1_budget - gpus[i]->bar1_used;
 	}
@@ -1341,42 +1351,110 @@ static struct miscdevice emu_misc = {
 
 /* --- the "GPUs" ---------------------------------------------------------- */
 
+/*
+ * A GPU keeps its index (and uuid) across unbind and rebind, as a GPU keeps
+ * its identity; its BAR is read anew at each bind (a resize needs an unbind).
+ */
+static struct emu_gpu *gpu_of_pdev(struct pci_dev *pdev)
+{
+	int i;
+
+	for (i = 0; i < ngpus; i++)
+		if (gpus[i]->pdev == pdev)
+			return gpus[i];
+	if (ngpus >= MAX_GPUS)
+		return NULL;
+	gpus[ngpus] = kzalloc(sizeof(*gpus[ngpus]), GFP_KERNEL);
+	if (!gpus[ngpus])
+		return NULL;
+	gpus[ngpus]->pdev = pdev;
+	gpus[ngpus]->index = ngpus;
+	gpus[ngpus]->gone = true;
+	return gpus[ngpus++];
+}
+
+static void gpu_free_pages(struct emu_gpu *g)
+{
+	bitmap_free(g->used);
+	kvfree(g->bar1_refs);
+	g->used = NULL;
+	g->bar1_refs = NULL;
+}
+
 static int emu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 {
 	struct emu_gpu *g;
 	int err;
 
-	if (ngpus >= MAX_GPUS)
-		return -ENOSPC;
 	err = pcim_enable_device(pdev);
 	if (err)
 		return err;
-	g = devm_kzalloc(&pdev->dev, sizeof(*g), GFP_KERNEL);
-	if (!g)
-		return -ENOMEM;
-	g->pdev = pdev;
-	g->index = ngpus;
+	rm_lock();
+	g = gpu_of_pdev(pdev);
+	err = g ? 0 : -ENOSPC;
+	if (err)
+		goto out;
 	g->bar = pci_resource_start(pdev, 2);
 	g->size = pci_resource_len(pdev, 2) & ~(GPU_PAGE - 1);
+	err = -ENODEV;
 	if (!g->bar || g->size < GPU_PAGE)
-		return -ENODEV;
+		goto out;
 	g->bar1_budget = bar1_size_mb ? min_t(u64, (u64)bar1_size_mb << 20, g->size) : g->size;
+	g->bar1_used = 0;
 	g->nchunks = g->size / GPU_PAGE;
-	g->used = devm_bitmap_zalloc(&pdev->dev, g->nchunks, GFP_KERNEL);
-	g->bar1_refs = devm_kcalloc(&pdev->dev, g->nchunks, sizeof(*g->bar1_refs), GFP_KERNEL);
-	if (!g->used || !g->bar1_refs)
-		return -ENOMEM;
+	g->used = bitmap_zalloc(g->nchunks, GFP_KERNEL);
+	g->bar1_refs = kvcalloc(g->nchunks, sizeof(*g->bar1_refs), GFP_KERNEL);
+	err = -ENOMEM;
+	if (!g->used || !g->bar1_refs) {
+		gpu_free_pages(g);
+		goto out;
+	}
 	memset(g->uuid, 0x60 + g->index, sizeof(g->uuid));
-	gpus[ngpus++] = g;
+	WRITE_ONCE(g->gone, false);
+	err = 0;
+out:
+	rm_unlock();
+	if (err)
+		return err;
 	pci_set_drvdata(pdev, g);
 	dev_info(&pdev->dev, "emulated GPU %d: BAR %pa, %llu MiB, BAR1 budget %llu MiB\n",
 		 g->index, &g->bar, g->size >> 20, g->bar1_budget >> 20);
 	return 0;
 }
 
+/*
+ * nv_pci_remove() waits while the GPU is in use ("Attempting to remove
+ * device ... with non-zero usage count"): here, until no allocation on it is
+ * left, so every pin of its memory ended (free callbacks included) first.
+ */
 static void emu_remove(struct pci_dev *pdev)
 {
-	/* The module cannot go while a file (and so an allocation) is open. */
+	struct emu_gpu *g = pci_get_drvdata(pdev);
+	struct emu_alloc *a;
+	bool busy, said = false;
+
+	for (;;) {
+		busy = false;
+		rm_lock();
+		list_for_each_entry(a, &allocs, node)
+			busy |= a->gpu == g;
+		/* Unloading: no file is open, nothing of the GPU is used again. */
+		if (READ_ONCE(unloading))
+			busy = false;
+		if (!busy) {
+			WRITE_ONCE(g->gone, true);
+			gpu_free_pages(g);
+		}
+		rm_unlock();
+		if (!busy)
+			break;
+		if (!said)
+			pr_info("NVRM: Attempting to remove device %s with non-zero usage count!\n",
+				pci_name(pdev));
+		said = true;
+		msleep(20);
+	}
+	dev_info(&pdev->dev, "emulated GPU %d removed\n", g->index);
 }
 
 static const struct pci_device_id emu_ids[] = {
@@ -1485,6 +1563,8 @@ static void __exit emu_exit(void)
 	while (table_cached)
 		kfree(table_cache[--table_cached]);
 	pci_unregister_driver(&emu_driver);
+	while (ngpus)
+		kfree(gpus[--ngpus]);
 }
 
 module_init(emu_init);

@@ -171,6 +171,11 @@ pub const ALL: &[Scenario] = &[
         run: bar_window,
     },
     Scenario {
+        name: "gpu_rebind",
+        applies: ours,
+        run: gpu_rebind,
+    },
+    Scenario {
         name: "pair_table_full",
         applies: ours,
         run: pair_table_full,
@@ -1606,6 +1611,165 @@ fn leaked_at_unbind() -> usize {
                 .count()
         })
         .unwrap_or(0)
+}
+
+/// The lines of debugfs `gpus`.
+fn gpu_lines() -> Vec<String> {
+    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// A GPU loses its driver and gets it back while another GPU's
+/// registrations go on. The GPU driver's unbind waits until none of the
+/// GPU's memory is in use (so the MR on it is revoked first); the GPU's
+/// record, pairs and BAR windows go with the unbind, and its first
+/// registration after the rebind records it anew (a rebind may bring another
+/// BAR): topology verdict, window and DMA.
+fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
+    let mut a0 = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
+    let a1 = ctx.gpu().alloc(1, 2 * M).map_err(errno_name)?;
+    let h0 = ctx
+        .core
+        .reg(a0.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    let gpu0 = gpu_lines()
+        .iter()
+        .find(|l| l.contains(" live=1 "))
+        .and_then(|l| {
+            l.split_whitespace()
+                .next()?
+                .strip_prefix("gpu=")
+                .map(str::to_string)
+        })
+        .ok_or("GPU 0's record not found")?;
+    // Both pairs have their window (when untranslated) before the unbind.
+    let h1 = ctx
+        .core
+        .reg(a1.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    ctx.core.dereg(h1).map_err(errno_name)?;
+    let windows0 = stat("bar_windows");
+    let drv = "/sys/bus/pci/drivers/nv_p2p_emu";
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (traffic, unbound, still_bound) = std::thread::scope(|sc| -> Result<_, String> {
+        let traffic = sc.spawn(|| -> Result<u64, String> {
+            let core = Core::open()?;
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let h = core.reg(a1.va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+                let b = [n as u8; 64];
+                let moved = core.dma_write(h, 0, &b);
+                core.dereg(h).map_err(errno_name)?;
+                moved.map_err(errno_name)?;
+                ensure!(a1.read(0, 64) == b, "GPU 1's DMA went elsewhere");
+                n += 1;
+            }
+            Ok(n)
+        });
+        let unbind = sc.spawn(|| std::fs::write(format!("{drv}/unbind"), &gpu0));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let still_bound = !unbind.is_finished();
+        // The GPU memory is freed: the MR is revoked (a persistent pin keeps
+        // the memory until its MR goes), the unbind goes on.
+        a0.unmap();
+        let dereg = (!ctx.mode.invalidating()).then(|| ctx.core.dereg(h0));
+        let unbound = unbind.join().map_err(|_| "unbind thread".to_string());
+        // Whatever happens next, the traffic stops before the scope ends.
+        let after = || -> Result<_, String> {
+            let unbound = unbound?;
+            let gone = (gpu_lines(), pair_lines(), stat("bar_windows"));
+            std::fs::write(format!("{drv}/bind"), &gpu0)
+                .map_err(|e| format!("bind {gpu0}: {e}"))?;
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            Ok((unbound, gone))
+        };
+        let r = after();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let traffic = traffic.join().map_err(|_| "traffic thread")?;
+        let (unbound, gone) = r?;
+        // Quiet now. Two first registrations on the rebound GPU at once:
+        // one records it (and learns its topology verdict), the other waits
+        // for that record; both map in the pair's window.
+        let a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
+        let (probes, maps) = (stat("topology_probes"), stat("window_maps"));
+        let firsts: Vec<Result<(), String>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = [0, M]
+                .into_iter()
+                .map(|off| sc.spawn(move || first_registration(a.va + off)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())))
+                .collect()
+        });
+        for r in firsts {
+            r.map_err(|e| format!("a first registration on GPU 0 after the rebind: {e}"))?;
+        }
+        let relearnt = (stat("topology_probes") - probes, stat("window_maps") - maps);
+        for off in [0, 256] {
+            ensure!(
+                a.read(off * 4096, 64) == [0xa5; 64],
+                "DMA through a first registration went elsewhere"
+            );
+        }
+        reg_verify(ctx, &a1, 0, M, PMC_REG_INVAL_SUPP)?;
+        reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)
+            .map_err(|e| format!("GPU 0 after the rebind: {e}"))?;
+        Ok(((traffic, gone, relearnt), unbound, (still_bound, dereg)))
+    })?;
+    let (still_bound, dereg) = still_bound;
+    let (ops, (gpus, pairs, windows), relearnt) = traffic;
+    let ops = ops.map_err(|e| format!("traffic on GPU 1: {e}"))?;
+    unbound.map_err(|e| format!("unbind {gpu0}: {e}"))?;
+    match dereg {
+        Some(r) => r.map_err(errno_name)?,
+        None => ctx.core.dereg(h0).map_err(errno_name)?,
+    }
+    ensure!(
+        still_bound,
+        "the GPU driver's unbind did not wait for the memory in use"
+    );
+    ensure!(
+        !gpus.iter().any(|l| l.contains(&gpu0)) && !pairs.iter().any(|l| l.contains(&gpu0)),
+        "GPU {gpu0} is still recorded after its unbind: {gpus:?} {pairs:?}"
+    );
+    // One window per untranslated pair: GPU 0's went with it.
+    ensure!(
+        windows == windows0.saturating_sub(1),
+        "{windows} BAR windows after the unbind, {windows0} before"
+    );
+    ensure!(
+        gpu_lines().iter().any(|l| l.contains(&gpu0)),
+        "GPU {gpu0} not recorded after the rebind"
+    );
+    let (relearnt, first_maps) = relearnt;
+    if ctx.mode.invalidating() {
+        ensure!(relearnt == 1, "{relearnt} topology probes after the rebind");
+        ensure!(
+            first_maps == 2 * u64::from(windows0 > 0),
+            "{first_maps} of the two first registrations mapped in the window"
+        );
+        ensure!(
+            stat("bar_windows") == windows0,
+            "{} BAR windows after the rebind, {windows0} before",
+            stat("bar_windows")
+        );
+    }
+    Ok(format!(
+        "{ops} registrations on GPU 1 meanwhile; GPU {gpu0} recorded anew"
+    ))
+}
+
+/// One MR of a MiB at `va` through a core file of its own: registered, 64
+/// bytes of 0xa5 written through it, deregistered.
+fn first_registration(va: u64) -> Result<(), String> {
+    let core = Core::open()?;
+    let h = core.reg(va, M, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+    let moved = core.dma_write(h, 0, &[0xa5; 64]);
+    core.dereg(h).map_err(errno_name)?;
+    moved.map_err(errno_name)
 }
 
 /// The pair lines of debugfs `paths`.
