@@ -240,15 +240,10 @@ impl Route {
     /// A route without a pair record counts as sharing no bridge.
     #[inline(always)]
     pub(crate) fn gate(&self) -> Gate {
-        let Some(gpu) = self.gpu else {
-            return path::gate(
-                false,
-                Verdict::Unknown,
-                Verdict::Unknown,
-                unverified_allowed(),
-            );
-        };
-        let (near, far) = accounting::gpu_gate(gpu);
+        // A GPU without a record (its table full) has no verdict learnt.
+        let (near, far) = self
+            .gpu
+            .map_or((Verdict::Unknown, Verdict::Unknown), accounting::gpu_gate);
         path::gate(self.shares_bridge, near, far, unverified_allowed())
     }
 
