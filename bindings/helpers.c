@@ -58,7 +58,8 @@ struct peermem_chain {
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip);
-void peermem_pci_dev_put(struct pci_dev *pdev);
+void peermem_gate_candidate_put(struct pci_dev *pdev);
+bool peermem_ratelimit(void);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
@@ -291,17 +292,18 @@ static bool peermem_common_bridge(struct pci_dev *a, struct pci_dev *b)
 }
 
 /*
- * Whether the DMA API may be used on @pdev for a moment: a bound bus master,
- * not a bridge, whose driver does not own the device's IOMMU domain itself
- * (vfio). dev->driver is read without the device lock, as dev_driver_string()
- * does: a driver is unbound from its devices before its module goes.
+ * Whether the DMA API may be used on @pdev, locked by the caller: a bound
+ * bus master, not a bridge, whose driver does not own the device's IOMMU
+ * domain itself (vfio), and not a display, storage or USB controller.
  */
 static bool peermem_dma_capable(struct pci_dev *pdev)
 {
-	const struct device_driver *drv = READ_ONCE(pdev->dev.driver);
+	const struct device_driver *drv = pdev->dev.driver;
+	unsigned int base = pdev->class >> 16;
 
 	return drv && pdev->is_busmaster && !pci_is_bridge(pdev) &&
-	       !to_pci_driver(drv)->driver_managed_dma;
+	       !to_pci_driver(drv)->driver_managed_dma && base != PCI_BASE_CLASS_DISPLAY &&
+	       base != PCI_BASE_CLASS_STORAGE && pdev->class >> 8 != PCI_CLASS_SERIAL_USB;
 }
 
 /* PCI class 0x0c06, serial bus controller: InfiniBand (no pci_ids.h name). */
@@ -324,23 +326,34 @@ struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int ski
 	for (pass = 0; pass < 2; pass++) {
 		pdev = NULL;
 		for_each_pci_dev(pdev) {
-			if (pdev == gpu || !peermem_dma_capable(pdev) ||
-			    peermem_rdma_class(pdev) != (pass == 0) ||
+			if (pdev == gpu || peermem_rdma_class(pdev) != (pass == 0) ||
 			    peermem_common_bridge(gpu, pdev) != near)
 				continue;
-			if (skip-- == 0) {
+			/* Its driver stays while the GPU driver maps for it. */
+			if (!device_trylock(&pdev->dev))
+				continue;
+			if (peermem_dma_capable(pdev) && skip-- == 0) {
 				pci_dev_put(gpu);
 				return pdev;	/* for_each_pci_dev's reference */
 			}
+			device_unlock(&pdev->dev);
 		}
 	}
 	pci_dev_put(gpu);
 	return NULL;
 }
 
-void peermem_pci_dev_put(struct pci_dev *pdev)
+void peermem_gate_candidate_put(struct pci_dev *pdev)
 {
+	device_unlock(&pdev->dev);
 	pci_dev_put(pdev);
+}
+
+bool peermem_ratelimit(void)
+{
+	static DEFINE_RATELIMIT_STATE(rs, DEFAULT_RATELIMIT_INTERVAL, DEFAULT_RATELIMIT_BURST);
+
+	return __ratelimit(&rs);
 }
 
 /* The upstream path of the PCI device behind @dev. 0 or -ENODEV. */

@@ -12,11 +12,13 @@
 use core::fmt;
 
 use crate::atomics::{
+    fence,
     AcqRel,
     Acquire,
     Atomic,
     Relaxed,
-    Release, //
+    Release,
+    SeqCst, //
 };
 
 use crate::path::{
@@ -133,6 +135,8 @@ struct GpuSlot {
     /// common bridge (bits 0-1) and not (bits 2-3), as [`Verdict`]s, and
     /// [`GATE_LEARNT`] once asked.
     gate: Atomic<u32>,
+    /// Attempts to learn `gate`.
+    gate_tries: Atomic<u32>,
 }
 
 /// In a GPU's `gate` word: the driver was asked (whatever it answered).
@@ -160,6 +164,7 @@ impl GpuSlot {
             usage: Atomic::new(0),
             max_units: Atomic::new(0),
             gate: Atomic::new(0),
+            gate_tries: Atomic::new(0),
         }
     }
 }
@@ -219,6 +224,13 @@ pub(crate) fn gpu_gate(gpu: Gpu) -> (Verdict, Verdict) {
     (Verdict::from_bits(w), Verdict::from_bits(w >> 2))
 }
 
+/// Counts one more attempt to learn `gpu`'s topology verdicts; returns the
+/// count.
+pub(crate) fn gate_attempt(gpu: Gpu) -> u32 {
+    GPU_TABLE[gpu.slot].gate_tries.add(1, Relaxed);
+    GPU_TABLE[gpu.slot].gate_tries.load(Relaxed)
+}
+
 /// Whether the GPU driver's topology verdicts for `gpu` were learnt.
 pub(crate) fn gate_learnt(gpu: Gpu) -> bool {
     GPU_TABLE[gpu.slot].gate.load(Relaxed) & GATE_LEARNT != 0
@@ -244,13 +256,16 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
                 g.bar_end.store(end, Relaxed);
                 g.id.store(id, Relaxed);
                 g.gate.store(0, Relaxed);
+                g.gate_tries.store(0, Relaxed);
                 g.max_units.store(0, Relaxed);
                 g.retired.store(0, Relaxed);
                 g.ready.store(1, Release);
                 return Some(Gpu { slot, id });
             }
             // Someone is recording this very BAR: its record, once published.
-            Err(s) if s == start && g.retired.load(Acquire) == 0 => return published(g, slot),
+            Err(s) if s == start && g.retired.load(Acquire) == 0 => {
+                return published(g, slot, start)
+            }
             Err(_) => continue,
         }
     }
@@ -263,8 +278,11 @@ const PUBLISH_SPINS: u32 = 1 << 16;
 
 /// `g`'s record once published, `None` if it is not within
 /// [`PUBLISH_SPINS`] or it was retired meanwhile (the caller goes without).
-fn published(g: &GpuSlot, slot: usize) -> Option<Gpu> {
+fn published(g: &GpuSlot, slot: usize, start: u64) -> Option<Gpu> {
     for _ in 0..PUBLISH_SPINS {
+        if g.bar_start.load(Acquire) != start {
+            return None;
+        }
         if g.ready.load(Acquire) != 0 {
             return Some(Gpu {
                 slot,
@@ -288,18 +306,23 @@ pub(crate) fn retire_gpu(id: u32) {
         {
             continue;
         }
-        g.retired.store(1, Release);
         g.ready.store(0, Release);
+        g.retired.store(1, Release);
+        // Against `Charge::release`: one of the two sees the other's write.
+        fence(SeqCst);
         free_if_idle(g);
     }
 }
 
-/// Frees a retired GPU's slot if nothing is charged to it (once).
+/// Frees a retired GPU's slot if nothing is charged to it (once). `retired`
+/// is clear again before the slot is, so that the next recorder's slot
+/// never reads as retired.
 fn free_if_idle(g: &GpuSlot) {
     if g.retired.load(Acquire) == 1
         && g.usage.load(Acquire) == 0
         && g.retired.cmpxchg(1, 2, Acquire).is_ok()
     {
+        g.retired.store(0, Relaxed);
         g.bar_start.store(0, Release);
     }
 }
@@ -320,13 +343,18 @@ fn pair_key(gpu: u32, peer: u32) -> u64 {
 pub(crate) fn find_pair(gpu: u32, peer: u32) -> Option<(Pair, Class)> {
     let key = pair_key(gpu, peer);
     PAIR_TABLE.iter().enumerate().find_map(|(slot, p)| {
+        if p.key.load(Acquire) != key || p.ready.load(Acquire) == 0 {
+            return None;
+        }
+        // Read after `ready` (Acquire): the fields of this pair, published
+        // before it; the key checked again in case the slot was reused since.
         let pair = Pair {
             slot,
             shares_bridge: p.shares.load(Relaxed) != 0,
         };
-        (p.key.load(Acquire) == key && p.ready.load(Acquire) != 0)
-            .then(|| Class::from_level(p.class.load(Relaxed)).map(|c| (pair, c)))
-            .flatten()
+        let class = Class::from_level(p.class.load(Relaxed))?;
+        fence(Acquire);
+        (p.key.load(Relaxed) == key).then_some((pair, class))
     })
 }
 
@@ -527,6 +555,8 @@ impl Charge {
         let g = &GPU_TABLE[usize::from(self.gpu.get() - 1)];
         let step = usage_step(bytes);
         if g.usage.fetch_sub(step, AcqRel) == step {
+            // Against `retire_gpu`: one of the two sees the other's write.
+            fence(SeqCst);
             free_if_idle(g);
         }
         if self.proc_slot != NO_PROC {

@@ -25,11 +25,15 @@ use core::{
     },
 };
 
-pub(crate) use core::sync::atomic::Ordering::{
-    AcqRel,
-    Acquire,
-    Relaxed,
-    Release, //
+pub(crate) use core::sync::atomic::{
+    fence,
+    Ordering::{
+        AcqRel,
+        Acquire,
+        Relaxed,
+        Release,
+        SeqCst, //
+    },
 };
 
 /// What a spin loop runs between two reads of the word it waits on (the

@@ -100,10 +100,15 @@ extern "C" {
     /// about for the GPU whose BAR holds `gpu_phys`: a bound bus master, not
     /// a bridge, whose driver uses the DMA API, with (`near`) or without an
     /// upstream bridge in common with the GPU; network and InfiniBand
-    /// devices first. A reference for [`peermem_pci_dev_put`], or NULL.
+    /// devices first, then any other but displays, storage and USB. Locked
+    /// (so that it keeps its driver) and referenced, for
+    /// [`peermem_gate_candidate_put`]; or NULL.
     pub(crate) fn peermem_gate_candidate(gpu_phys: u64, near: bool, skip: c_uint) -> *mut pci_dev;
-    /// Drops a reference from [`peermem_gate_candidate`].
-    pub(crate) fn peermem_pci_dev_put(dev: *mut pci_dev);
+    /// Unlocks and drops a device from [`peermem_gate_candidate`].
+    pub(crate) fn peermem_gate_candidate_put(dev: *mut pci_dev);
+    /// Whether a warning about user-triggered events may be printed now
+    /// (the kernel's default ratelimit: 10 lines per 5 s).
+    pub(crate) fn peermem_ratelimit() -> bool;
 }
 
 /// `struct peermem_hop` of the C shim.

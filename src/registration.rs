@@ -559,19 +559,20 @@ impl<A: Access> Called<'_, A> {
         let table = self.start_map()?;
         // SAFETY: valid until `finish_map` (see `start_map`); checked by
         // `get_pages`.
-        let first = unsafe { table.pages() }.physical_address(0).unwrap_or(0);
+        let pages = unsafe { table.pages() };
+        let (first, coherent) = (pages.physical_address(0).unwrap_or(0), pages.coherent());
         let route = Route::of(first, &peer);
         let persistent = A::MODE == Mode::Persistent;
-        // The invalidating client maps without the GPU driver: it applies the
-        // driver's topology gate itself (the persistent one asks the driver).
-        let gate = || {
-            if persistent {
-                Ok(())
-            } else {
-                route.admit_gate()
-            }
+        // Coherent memory (C2C) is on no PCIe path: neither the path policy
+        // nor the driver's topology gate, which it skips there (fact 5),
+        // applies. The invalidating client maps without the GPU driver: it
+        // applies the driver's gate itself (the persistent one asks it).
+        let checks = || match (coherent, persistent) {
+            (true, _) => Ok(()),
+            (false, true) => route.admit(),
+            (false, false) => route.admit().and_then(|()| route.admit_gate()),
         };
-        let made = route.admit().and_then(|()| gate()).and_then(|()| {
+        let made = checks().and_then(|()| {
             self.map_pages(table, peer, &route)
                 .inspect_err(|e| route.failed(*e, persistent))
         });
@@ -867,6 +868,11 @@ impl<A: Access> Called<'_, A> {
     #[cold]
     #[inline(never)]
     fn held_pin(&self, why: &str, owner: u32) {
+        // A process can make many (fork, exit): the counters have them all.
+        // SAFETY: no preconditions.
+        if !unsafe { crate::ffi::peermem_ratelimit() } {
+            return;
+        }
         let (start, len) = (self.range().start, self.range().len);
         pr_warn!(
             "{why}: GPU memory {start:#x}+{len:#x} ({len} bytes) pinned by process {} stays pinned until that process frees it or exits; until then nvidia_peermem and nvidia cannot be unloaded (released by process {})\n",

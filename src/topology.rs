@@ -382,13 +382,15 @@ fn probe_gate(start: u64, gpu: Gpu) {
         start,
         len: GPU_PAGE_SIZE,
     };
+    // Only "not supported" is final (MIG, vGPU); anything else (the memory
+    // freed meanwhile, no memory, no peer that answered) is asked again by
+    // the next registrations, a few times.
+    let last_try = accounting::gate_attempt(gpu) >= GATE_TRIES;
     let table = match p2p::get_pages_persistent(&range) {
         Ok(t) => t,
-        // MIG, vGPU: the driver cannot be asked this way, now or later.
-        Err(e) if e == compat::eopnotsupp() || e == EINVAL => {
+        Err(e) if e == compat::eopnotsupp() || last_try => {
             return accounting::set_gate(gpu, Verdict::Unverified, Verdict::Unverified);
         }
-        // Asked again by the next registration.
         Err(_) => return,
     };
     STATS.topology_probes.add(1, Relaxed);
@@ -402,11 +404,17 @@ fn probe_gate(start: u64, gpu: Gpu) {
         fail!(
             Cause::Unpin,
             e,
-            "unpinning the topology probe at {start:#x} failed: the pin is lost"
+            "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
         );
     }
-    accounting::set_gate(gpu, near, far);
+    if far != Verdict::Unknown || last_try {
+        accounting::set_gate(gpu, near, far);
+    }
 }
+
+/// How many registrations ask the GPU driver about a GPU before its
+/// verdicts count as unverifiable.
+const GATE_TRIES: u32 = 3;
 
 /// The driver's verdict for the first of at most three candidate peers of
 /// the right kind that it answers about.
@@ -425,7 +433,8 @@ unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verd
         return Verdict::Unknown;
     };
     for i in 0..3 {
-        // SAFETY: no preconditions; a reference on the device, or NULL.
+        // SAFETY: no preconditions; a reference on the device, locked, or
+        // NULL.
         let dev = unsafe { ffi::peermem_gate_candidate(phys, near, i) };
         if dev.is_null() {
             break;
@@ -440,8 +449,8 @@ unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verd
             Err(e) if e == compat::eopnotsupp() => Verdict::Refused,
             Err(_) => Verdict::Unknown,
         };
-        // SAFETY: the reference the helper took.
-        unsafe { ffi::peermem_pci_dev_put(dev) };
+        // SAFETY: the lock and the reference the helper took.
+        unsafe { ffi::peermem_gate_candidate_put(dev) };
         if verdict != Verdict::Unknown {
             return verdict;
         }

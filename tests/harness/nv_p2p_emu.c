@@ -112,6 +112,7 @@ struct emu_gpu {
 	u32 *bar1_refs;		/* pins per 64 KiB page: pins of one page share its BAR1 mapping */
 	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
 	bool gone;		/* unbound: no allocation, pin or mapping reaches it */
+	u32 bdf;		/* domain << 16 | bus << 8 | devfn: its identity across rebinds */
 };
 
 struct emu_alloc {
@@ -1357,17 +1358,22 @@ static struct miscdevice emu_misc = {
  */
 static struct emu_gpu *gpu_of_pdev(struct pci_dev *pdev)
 {
+	u32 bdf = (u32)pci_domain_nr(pdev->bus) << 16 | pci_dev_id(pdev);
 	int i;
 
-	for (i = 0; i < ngpus; i++)
-		if (gpus[i]->pdev == pdev)
+	for (i = 0; i < ngpus; i++) {
+		if (gpus[i]->bdf == bdf) {
+			gpus[i]->pdev = pdev;	/* a new pci_dev after a rescan */
 			return gpus[i];
+		}
+	}
 	if (ngpus >= MAX_GPUS)
 		return NULL;
 	gpus[ngpus] = kzalloc(sizeof(*gpus[ngpus]), GFP_KERNEL);
 	if (!gpus[ngpus])
 		return NULL;
 	gpus[ngpus]->pdev = pdev;
+	gpus[ngpus]->bdf = bdf;
 	gpus[ngpus]->index = ngpus;
 	gpus[ngpus]->gone = true;
 	return gpus[ngpus++];

@@ -226,7 +226,7 @@ pub fn hca_device() -> Option<String> {
 pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
     let mut out = Vec::new();
     for free_first in [false, true] {
-        let held0 = held_pin_lines("released in another process");
+        let mark = LogMark::new();
         let gi0 = ctx.gpu().info();
         let (fr0, cb0) = (stat("foreign_releases"), gi0.callbacks);
         let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
@@ -258,10 +258,10 @@ pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
         let gi1 = ctx.gpu().info();
         if !free_first && ours(ctx) {
             // One line names the pinning process, the size and the releaser.
-            let held = held_pin_lines("released in another process");
+            let held = held_pin_lines(&mark, "released in another process");
             let me = std::process::id();
             ensure!(
-                held.len() == held0.len() + 1
+                held.len() == 1
                     && held.last().is_some_and(|l| {
                         l.contains(&format!("pinned by process {me} ("))
                             && l.contains(&format!("({} bytes)", M + (64 << 10)))
@@ -307,11 +307,10 @@ pub fn foreign_release(ctx: &mut Ctx) -> Result<String, String> {
 
 /// The kernel log's lines about pins kept after the core let go of them
 /// (orphaned, stranded), of the given cause.
-fn held_pin_lines(why: &str) -> Vec<String> {
-    kernel_log()
-        .lines()
+fn held_pin_lines(mark: &LogMark, why: &str) -> Vec<String> {
+    mark.since()
+        .into_iter()
         .filter(|l| l.contains(why) && l.contains("stays pinned until that process frees it"))
-        .map(str::to_string)
         .collect()
 }
 
@@ -327,7 +326,7 @@ fn dereg_with_failing(ctx: &mut Ctx, h: u64, func: &str) -> Result<(), String> {
 /// A failed unpin (fact 8) leaves the pin and its callback armed; the later
 /// free must find the registration alive, and the pin must be reported.
 pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
-    let held0 = held_pin_lines("nvidia_p2p_put_pages failed");
+    let mark = LogMark::new();
     let gi0 = ctx.gpu().info();
     let f0 = stat("fail_unpin");
     let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
@@ -343,10 +342,10 @@ pub fn unpin_failure_then_free(ctx: &mut Ctx) -> Result<String, String> {
     );
     if ours(ctx) {
         ensure!(stat("stranded_pins") == 1, "stranded pin not counted");
-        let held = held_pin_lines("nvidia_p2p_put_pages failed");
+        let held = held_pin_lines(&mark, "nvidia_p2p_put_pages failed");
         let me = std::process::id();
         ensure!(
-            held.len() == held0.len() + 1
+            held.len() == 1
                 && held.last().is_some_and(|l| {
                     l.contains(&format!("pinned by process {me} ("))
                         && l.contains(&format!("({M} bytes)"))
@@ -920,6 +919,34 @@ fn kernel_log() -> String {
         .unwrap_or_default()
 }
 
+/// A mark in the kernel log: [`LogMark::since`] gives the lines after it
+/// (not lines of earlier loads, and whatever the ring buffer dropped before
+/// it).
+pub(crate) struct LogMark(String);
+
+impl LogMark {
+    pub(crate) fn new() -> Self {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mark = format!("E2E mark {}.{n}", std::process::id());
+        let _ = std::fs::write("/dev/kmsg", format!("{mark}\n"));
+        Self(mark)
+    }
+
+    pub(crate) fn since(&self) -> Vec<String> {
+        let log = kernel_log();
+        let mut after: Vec<String> = Vec::new();
+        for l in log.lines() {
+            if l.ends_with(&self.0) {
+                after.clear();
+            } else {
+                after.push(l.to_string());
+            }
+        }
+        after
+    }
+}
+
 /// An MR on `a` as the module under test answers it: the errno, or the bytes
 /// of a DMA write through it checked and the MR deregistered.
 fn mr_outcome(ctx: &mut Ctx, a: &Alloc) -> Result<Result<(), i32>, String> {
@@ -964,6 +991,7 @@ pub fn topology_gate(ctx: &mut Ctx) -> Result<String, String> {
 }
 
 fn topology_gate_steps(ctx: &mut Ctx) -> Result<String, String> {
+    let mark = LogMark::new();
     let hca = hca_device().ok_or("no HCA bound")?;
     let shares = gpus_share_bridge_with(&hca)?;
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
@@ -1012,7 +1040,7 @@ fn topology_gate_steps(ctx: &mut Ctx) -> Result<String, String> {
             errno_name(cq),
             errno_name(mr)
         );
-        topology_explained(ctx, &hca)?;
+        topology_explained(ctx, &hca, &mark)?;
     }
     let over = Knob::emu("topo_check_override", "1")?;
     reload_with(ctx, &[])?;
@@ -1029,10 +1057,10 @@ fn topology_gate_steps(ctx: &mut Ctx) -> Result<String, String> {
 
 /// Ours on a flagged chipset: the refusal explained once per pair, counted on
 /// the pair, and (invalidating) learnt with one persistent pin at load.
-fn topology_explained(ctx: &Ctx, hca: &str) -> Result<(), String> {
-    let log = kernel_log();
+fn topology_explained(ctx: &Ctx, hca: &str, mark: &LogMark) -> Result<(), String> {
+    let log = mark.since();
     ensure!(
-        log.lines()
+        log.iter()
             .any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(hca)),
         "the topology refusal was not explained in the log"
     );
@@ -1059,6 +1087,7 @@ fn topology_explained(ctx: &Ctx, hca: &str) -> Result<(), String> {
 /// (as under MIG): the pair is refused with a line naming the parameter, and
 /// maps with `allow_unverified_paths=1`.
 fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
+    let mark = LogMark::new();
     reload_with(ctx, &[])?;
     module::inject("get_pages_persistent", 1, 524)?;
     let mr = mr_outcome(ctx, a)?;
@@ -1071,8 +1100,8 @@ fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
         "a probe was counted without its pin"
     );
     ensure!(
-        kernel_log()
-            .lines()
+        mark.since()
+            .iter()
             .any(|l| l.contains("allow_unverified_paths=1")),
         "the refusal does not name allow_unverified_paths"
     );

@@ -126,28 +126,36 @@ impl Ctx {
             self.mode.core_variant(),
         )?;
         module::insmod(&self.opts.peermem, &self.mode.params())?;
-        self.settle();
-        Ok(())
+        self.settle()
     }
 
     /// The first invalidating registration on a GPU after a load asks the
     /// GPU driver's topology gate with a persistent pin of its own
     /// (`topology_probes`): one registration per GPU here, so that each
     /// scenario counts only its own pins. `topology_gate` checks the probe.
-    pub(crate) fn settle(&self) {
+    pub(crate) fn settle(&self) -> Result<(), String> {
         let Some(g) = self.gpu.as_ref() else {
-            return;
+            return Ok(());
         };
         if self.opts.reference || !self.mode.invalidating() {
-            return;
+            return Ok(());
         }
-        for i in 0..g.info().gpus {
-            if let Ok(a) = g.alloc(i, 1 << 16) {
-                if let Ok(h) = self.core.reg(a.va, 1 << 16, uapi::PMC_REG_INVAL_SUPP) {
-                    let _ = self.core.dereg(h);
-                }
-            }
+        let gpus = g.info().gpus;
+        for i in 0..gpus {
+            let a = g
+                .alloc(i, 1 << 16)
+                .map_err(|e| format!("settle: alloc on GPU {i}: {e}"))?;
+            let h = self
+                .core
+                .reg(a.va, 1 << 16, uapi::PMC_REG_INVAL_SUPP)
+                .map_err(|e| format!("settle: registration on GPU {i}: {e}"))?;
+            self.core.dereg(h).map_err(|e| format!("settle: {e}"))?;
         }
+        let probes = scenarios::stat("topology_probes");
+        if probes != gpus {
+            return Err(format!("settle: {probes} topology probes for {gpus} GPUs"));
+        }
+        Ok(())
     }
 
     pub fn unload(&self) -> Result<(), String> {

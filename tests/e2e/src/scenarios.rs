@@ -1669,14 +1669,30 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
             }
             Ok(n)
         });
-        let unbind = sc.spawn(|| std::fs::write(format!("{drv}/unbind"), &gpu0));
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        let still_bound = !unbind.is_finished();
+        // Not scoped: a GPU driver that never lets go must not hang the run.
+        let mark = hostile::LogMark::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (path, bdf) = (format!("{drv}/unbind"), gpu0.clone());
+        std::thread::spawn(move || tx.send(std::fs::write(path, bdf)));
+        let waiting = || {
+            mark.since()
+                .iter()
+                .any(|l| l.contains("non-zero usage count") && l.contains(&gpu0))
+        };
+        let t = std::time::Instant::now();
+        while !waiting() && t.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let still_bound = waiting() && rx.try_recv().is_err();
         // The GPU memory is freed: the MR is revoked (a persistent pin keeps
         // the memory until its MR goes), the unbind goes on.
         a0.unmap();
         let dereg = (!ctx.mode.invalidating()).then(|| ctx.core.dereg(h0));
-        let unbound = unbind.join().map_err(|_| "unbind thread".to_string());
+        let unbound = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .map_err(|_| {
+                "DEADLOCK: the GPU's unbind did not return after its memory was freed".to_string()
+            });
         // Whatever happens next, the traffic stops before the scope ends.
         let after = || -> Result<_, String> {
             let unbound = unbound?;
@@ -1730,6 +1746,10 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
     ensure!(
         still_bound,
         "the GPU driver's unbind did not wait for the memory in use"
+    );
+    ensure!(
+        ops > 0,
+        "no registration on GPU 1 during the unbind and rebind"
     );
     ensure!(
         !gpus.iter().any(|l| l.contains(&gpu0)) && !pairs.iter().any(|l| l.contains(&gpu0)),
@@ -1820,7 +1840,7 @@ fn pair_table_steps(ctx: &mut Ctx) -> Result<String, String> {
     );
     // A policy that allows every path: the pair without a slot maps.
     hostile::reload_with(ctx, &["pair_table_slots=1"])?;
-    ctx.settle();
+    ctx.settle()?;
     reg_verify(ctx, &a, 0, M, PMC_REG_INVAL_SUPP)?;
     let first = pair_lines();
     reg_verify(ctx, &b, 0, M, PMC_REG_INVAL_SUPP)?;
@@ -1860,6 +1880,13 @@ fn pair_table_steps(ctx: &mut Ctx) -> Result<String, String> {
 fn window_section_bounded(ctx: &mut Ctx) -> Result<String, String> {
     let untranslated = !hostile::iommu_translates();
     let a = ctx.gpu().alloc(0, 64 * M).map_err(errno_name)?;
+    // The pair's window is made by a first registration (an earlier
+    // scenario may have unbound the HCA, which takes it away).
+    let h = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(errno_name)?;
+    ctx.core.dereg(h).map_err(errno_name)?;
     let mut seen = Vec::new();
     for (len, one_section) in [(4 * M, true), (4 * M + K64, false), (64 * M, false)] {
         let (s0, w0) = (stat("single_section_maps"), stat("window_maps"));
