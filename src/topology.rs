@@ -407,7 +407,8 @@ fn probe_gate(start: u64, gpu: Gpu) {
             "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
         );
     }
-    if far != Verdict::Unknown || last_try {
+    // Unknown: a peer was asked and failed otherwise; asked again later.
+    if (far != Verdict::Unknown && near != Verdict::Unknown) || last_try {
         accounting::set_gate(gpu, near, far);
     }
 }
@@ -417,7 +418,9 @@ fn probe_gate(start: u64, gpu: Gpu) {
 const GATE_TRIES: u32 = 3;
 
 /// The driver's verdict for the first of at most three candidate peers of
-/// the right kind that it answers about.
+/// the right kind that it answers about: [`Verdict::Unverified`] when there
+/// is no such peer, [`Verdict::Unknown`] when every one asked failed
+/// otherwise.
 ///
 /// # Safety
 ///
@@ -437,7 +440,12 @@ unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verd
         // NULL.
         let dev = unsafe { ffi::peermem_gate_candidate(phys, near, i) };
         if dev.is_null() {
-            break;
+            // No such peer to ask about: asking again would not help.
+            return if i == 0 {
+                Verdict::Unverified
+            } else {
+                Verdict::Unknown
+            };
         }
         // SAFETY: a live persistent table (caller) and a referenced device.
         let verdict = match unsafe { table.dma_map(dev) } {
