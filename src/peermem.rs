@@ -223,6 +223,39 @@ fn show_processes(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result
     accounting::show_processes(f)
 }
 
+/// Reads and checks the path parameters and copies them where the
+/// registrations read them; called at load, before any client is registered.
+fn path_parameters() -> Result {
+    let policy: i32 = compat::param(module_parameters::path_policy.value());
+    if !(0..=5).contains(&policy) {
+        pr_err!(
+            "invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n"
+        );
+        return Err(EINVAL);
+    }
+    let accounting: i32 = compat::param(module_parameters::path_accounting.value());
+    let unverified: i32 = compat::param(module_parameters::allow_unverified_paths.value());
+    if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
+        pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
+        return Err(EINVAL);
+    }
+    let slots: i32 = compat::param(module_parameters::pair_table_slots.value());
+    if !(1..=accounting::PAIRS as i32).contains(&slots) {
+        pr_err!(
+            "invalid parameter pair_table_slots={slots} (1..{})\n",
+            accounting::PAIRS
+        );
+        return Err(EINVAL);
+    }
+    // Before any client is registered (no registration can read them
+    // earlier); validated above.
+    PATH_POLICY.store(policy as u32, atomics::Relaxed);
+    PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
+    ALLOW_UNVERIFIED.store(unverified as u32, atomics::Relaxed);
+    PAIR_SLOTS.store(slots as u32, atomics::Relaxed);
+    Ok(())
+}
+
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
         let persistent: i32 = compat::param(module_parameters::persistent_api_support.value());
@@ -231,31 +264,7 @@ impl kernel::Module for NvidiaPeermem {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
-        let policy: i32 = compat::param(module_parameters::path_policy.value());
-        if !(0..=5).contains(&policy) {
-            pr_err!("invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n");
-            return Err(EINVAL);
-        }
-        let accounting: i32 = compat::param(module_parameters::path_accounting.value());
-        let unverified: i32 = compat::param(module_parameters::allow_unverified_paths.value());
-        if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
-            pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
-            return Err(EINVAL);
-        }
-        let slots: i32 = compat::param(module_parameters::pair_table_slots.value());
-        if !(1..=accounting::PAIRS as i32).contains(&slots) {
-            pr_err!(
-                "invalid parameter pair_table_slots={slots} (1..{})\n",
-                accounting::PAIRS
-            );
-            return Err(EINVAL);
-        }
-        // Before any client is registered (no registration can read them
-        // earlier); validated above.
-        PATH_POLICY.store(policy as u32, atomics::Relaxed);
-        PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
-        ALLOW_UNVERIFIED.store(unverified as u32, atomics::Relaxed);
-        PAIR_SLOTS.store(slots as u32, atomics::Relaxed);
+        path_parameters()?;
         let dir = Dir::new(c"nvidia_peermem");
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", (), &show_stats),

@@ -1613,13 +1613,21 @@ fn leaked_at_unbind() -> usize {
         .unwrap_or(0)
 }
 
-/// The lines of debugfs `gpus`.
-fn gpu_lines() -> Vec<String> {
-    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+/// The lines of the module's debugfs file `name` (`gpus`, `paths`).
+fn debugfs_lines(name: &str) -> Vec<String> {
+    std::fs::read_to_string(format!("/sys/kernel/debug/nvidia_peermem/{name}"))
         .unwrap_or_default()
         .lines()
         .map(str::to_string)
         .collect()
+}
+
+fn gpu_lines() -> Vec<String> {
+    debugfs_lines("gpus")
+}
+
+fn pair_lines() -> Vec<String> {
+    debugfs_lines("paths")
 }
 
 /// A GPU loses its driver and gets it back while another GPU's
@@ -1790,15 +1798,6 @@ fn first_registration(va: u64) -> Result<(), String> {
     let moved = core.dma_write(h, 0, &[0xa5; 64]);
     core.dereg(h).map_err(errno_name)?;
     moved.map_err(errno_name)
-}
-
-/// The pair lines of debugfs `paths`.
-fn pair_lines() -> Vec<String> {
-    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_string)
-        .collect()
 }
 
 /// More GPU/HCA pairs than the pair table has slots (`pair_table_slots=1`,
