@@ -25,6 +25,8 @@ struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_s
 bool peermem_dbg(const char *msg);
 int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
+int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma);
+void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len);
 struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
 bool peermem_reap_kick(struct workqueue_struct *wq);
@@ -125,6 +127,40 @@ void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
 {
 	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
 }
+
+/*
+ * Coherent (C2C) GPU memory is cacheable system memory, not MMIO: mapped as
+ * memory, never bounced through swiotlb nor left to cache maintenance that a
+ * device accessing it at any time could not follow. DMA_ATTR_REQUIRE_COHERENT
+ * (meant for RDMA) makes the mapping fail instead. Kernels without it refuse.
+ */
+#ifdef DMA_ATTR_REQUIRE_COHERENT
+#define PEERMEM_C2C_ATTRS (DMA_ATTR_REQUIRE_COHERENT | DMA_ATTR_SKIP_CPU_SYNC | PEERMEM_BAR_ATTRS)
+
+int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
+{
+	dma_addr_t a = dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+
+	if (dma_mapping_error(dev, a))
+		return -EIO;
+	*dma = a;
+	return 0;
+}
+
+void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
+{
+	dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+}
+#else
+int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
+{
+	return -EOPNOTSUPP;
+}
+
+void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
+{
+}
+#endif
 
 /* The module's own queue for work that must finish before it unloads. */
 struct workqueue_struct *peermem_wq_alloc(void)

@@ -12,6 +12,12 @@
 //! (`dma_map_resource` of the BAR bus addresses, fact 4), but one mapping per
 //! physically contiguous run, so a translating IOMMU gives one IOVA range (and
 //! one scatterlist entry) per run instead of one per 64 KiB page.
+//!
+//! Coherent (C2C) GPU memory (fact 6) is not behind a BAR: it is cacheable
+//! system memory at the table's addresses. It is mapped as memory, not as
+//! MMIO, and only where the device reaches it coherently with no bounce
+//! buffer (`DMA_ATTR_REQUIRE_COHERENT`, meant for RDMA): the mapping fails
+//! rather than hand the HCA a copy.
 
 use core::ptr::NonNull;
 
@@ -27,7 +33,6 @@ use crate::{
         Runs,
         Segment, //
     },
-    compat,
     device_map::DeviceMap,
     ffi,
     p2p::PageView,
@@ -44,14 +49,16 @@ use crate::{
 ///
 /// # Invariants
 ///
-/// `[iova, iova + len)` is a live `dma_map_resource` mapping for `dev`,
-/// undone exactly once, on drop; `dev` stays alive while the core keeps the
-/// registration (it holds the device until it released the registration,
-/// which waits for this mapping to be dropped).
+/// `[iova, iova + len)` is a live mapping for `dev`, by `dma_map_resource`
+/// or, if `coherent`, by `dma_map_phys` as coherent memory, undone exactly
+/// once, on drop, by the matching call; `dev` stays alive while the core
+/// keeps the registration (it holds the device until it released the
+/// registration, which waits for this mapping to be dropped).
 pub(crate) struct RunIova {
     dev: NonNull<device>,
     iova: u64,
     len: u32,
+    coherent: bool,
 }
 
 // SAFETY: the device pointer is only handed to the DMA API, callable from any
@@ -59,23 +66,33 @@ pub(crate) struct RunIova {
 unsafe impl Send for RunIova {}
 
 impl RunIova {
-    /// Maps the BAR bytes `run` for `dev`.
+    /// Maps the GPU bytes `run` for `dev`: BAR memory, or coherent memory
+    /// if `coherent`.
     ///
     /// # Safety
     ///
-    /// `run` must be BAR memory that the GPU driver keeps pinned until the
-    /// returned object is dropped, and `dev` a device the core keeps alive
-    /// as long.
-    unsafe fn map(dev: NonNull<device>, run: Segment) -> Result<Self> {
+    /// `run` must be GPU memory of that kind that the GPU driver keeps pinned
+    /// until the returned object is dropped, and `dev` a device the core
+    /// keeps alive as long.
+    unsafe fn map(dev: NonNull<device>, run: Segment, coherent: bool) -> Result<Self> {
         // Runs are bounded to `u32::MAX` bytes (`Runs`).
         let len = u32::try_from(run.len).map_err(|_| EINVAL)?;
         let mut iova = 0u64;
+        let (d, addr) = (dev.as_ptr(), run.addr);
         // SAFETY: a live device; `run` stays pinned (caller).
         kernel::error::to_result(unsafe {
-            ffi::peermem_map_bar(dev.as_ptr(), run.addr, run.len, &mut iova)
+            match coherent {
+                false => ffi::peermem_map_bar(d, addr, run.len, &mut iova),
+                true => ffi::peermem_map_coherent(d, addr, run.len, &mut iova),
+            }
         })?;
         // INVARIANT: mapped just above, undone by `drop`.
-        Ok(Self { dev, iova, len })
+        Ok(Self {
+            dev,
+            iova,
+            len,
+            coherent,
+        })
     }
 
     /// The mapped bus range, for the scatterlist.
@@ -89,9 +106,15 @@ impl RunIova {
 
 impl Drop for RunIova {
     fn drop(&mut self) {
-        // SAFETY: mapped for `dev` by `peermem_map_bar`, undone once (type
-        // invariant).
-        unsafe { ffi::peermem_unmap_bar(self.dev.as_ptr(), self.iova, u64::from(self.len)) };
+        let (d, len) = (self.dev.as_ptr(), u64::from(self.len));
+        // SAFETY: mapped for `dev` by the call matching `coherent`, undone
+        // once (type invariant).
+        unsafe {
+            match self.coherent {
+                false => ffi::peermem_unmap_bar(d, self.iova, len),
+                true => ffi::peermem_unmap_coherent(d, self.iova, len),
+            }
+        }
     }
 }
 
@@ -114,7 +137,7 @@ pub(crate) struct BarMap {
 /// Maps every page of `pages` for `peer`: one run, with its scatterlist
 /// entry in `slot` (no allocation), or several. Runs inside `window` (the
 /// pair's whole-BAR mapping, for an untranslated peer) take its addresses;
-/// any other is mapped here.
+/// any other is mapped here, coherent memory always.
 ///
 /// # Safety
 ///
@@ -127,11 +150,9 @@ pub(crate) unsafe fn map(
     slot: &SgSlot,
     window: Option<Window>,
 ) -> Result<DeviceMap> {
-    if pages.coherent() {
-        // No BAR behind coherent memory: only the GPU driver knows how
-        // to map it, and it takes its lock to do so.
-        return Err(compat::eopnotsupp());
-    }
+    let coherent = pages.coherent();
+    // No BAR, so no window, behind coherent memory.
+    let window = window.filter(|_| !coherent);
     let n = pages.len();
     let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
     if n == 1 {
@@ -143,7 +164,7 @@ pub(crate) unsafe fn map(
         };
         // SAFETY: BAR memory of the caller's pinned table, pinned as said
         // in `place`; the slot is this mapping's (caller).
-        let (seg, own) = unsafe { place(dev, run, window) }?;
+        let (seg, own) = unsafe { place(dev, run, window, coherent) }?;
         // SAFETY: the slot is this mapping's (caller).
         return unsafe { one_run(slot, seg, own) };
     }
@@ -168,7 +189,7 @@ pub(crate) unsafe fn map(
         // SAFETY: BAR memory of the caller's pinned table, every page with
         // an address (checked above), pinned as said in `place`. On a later
         // failure the locals drop and unmap what was mapped.
-        let (seg, own) = unsafe { place(dev, run, window) }?;
+        let (seg, own) = unsafe { place(dev, run, window, coherent) }?;
         in_window |= own.is_none();
         if let Some(f) = first.take() {
             let mut v = (KVec::new(), KVec::new());
@@ -208,12 +229,13 @@ pub(crate) unsafe fn map(
     Ok(map)
 }
 
-/// Where the device reaches the BAR bytes `run`: inside `window`, or through
-/// a mapping of its own, made here.
+/// Where the device reaches the GPU bytes `run` (coherent memory if
+/// `coherent`, else BAR memory): inside `window`, or through a mapping of its
+/// own, made here.
 ///
 /// # Safety
 ///
-/// `run` must be BAR memory of a pinned table, every page with an address,
+/// `run` must be memory of a pinned table, every page with an address,
 /// which stays pinned until the returned mapping is dropped: the unpin comes
 /// after `dma_unmap`/`release` dropped it, and a free callback drops it
 /// before it returns (`take_device_access`). `dev` must be a device the core
@@ -222,12 +244,13 @@ unsafe fn place(
     dev: NonNull<device>,
     run: Segment,
     window: Option<Window>,
+    coherent: bool,
 ) -> Result<(Segment, Option<RunIova>)> {
     if let Some(seg) = window.and_then(|w| w.segment(run)) {
         return Ok((seg, None));
     }
     // SAFETY: as promised by the caller.
-    let iova = unsafe { RunIova::map(dev, run) }?;
+    let iova = unsafe { RunIova::map(dev, run, coherent) }?;
     Ok((iova.segment(), Some(iova)))
 }
 

@@ -24,6 +24,12 @@
 //! the device for leaked mappings. Scenario `bar_window` unbinds and rebinds
 //! the HCA, with and without a live registration, and switches its IOMMU
 //! group between translated and identity.
+//!
+//! Making and retiring a window are rare (once per pair and per unbind) and
+//! serialised by one mutex, so a registration that finds a window being
+//! made waits for it instead of mapping its runs alone: two concurrent first
+//! registrations of a pair both get the window (scenario `gpu_rebind`).
+//! Readers take no lock: they check the slot's word around their reads.
 
 use core::{
     ptr,
@@ -32,7 +38,8 @@ use core::{
 
 use kernel::{
     bindings,
-    prelude::*, //
+    prelude::*,
+    sync::global_lock, //
 };
 
 use crate::{
@@ -47,9 +54,15 @@ use crate::{
     ffi,
 };
 
+global_lock! {
+    // SAFETY: initialised by `Windows::new`, before any client is
+    // registered, so before any window is made or retired.
+    unsafe(uninit) static MAKING: Mutex<()> = ();
+}
+
 /// No decision yet for the pair (or its device lost its driver).
 const EMPTY: u32 = 0;
-/// Being made or retired by one thread.
+/// Being made or retired by the holder of `MAKING`.
 const BUSY: u32 = 1;
 /// Mapped for `dev`.
 const LIVE: u32 = 2;
@@ -67,9 +80,9 @@ fn next(w: u32, state: u32) -> u32 {
 
 /// One pair's window.
 ///
-/// The fields are written only by the thread that moved the word to `BUSY`
-/// and are valid for the word it stores next; readers check that the word
-/// did not change while they read them (a sequence lock).
+/// The fields are written only under `MAKING`, by the thread that moved the
+/// word to `BUSY`, and are valid for the word it stores next; readers check
+/// that the word did not change while they read them (a sequence lock).
 struct Slot {
     word: Atomic<u32>,
     dev: Atomic<*mut bindings::device>,
@@ -117,9 +130,9 @@ impl Window {
 }
 
 /// The window of pair `pair` for `dev` over the BAR `[start, end]`, made on
-/// the pair's first use; `None` when `dev`'s DMA is translated, the window
-/// could not be mapped, or another thread is making or retiring it (the
-/// caller maps its runs itself then).
+/// the pair's first use (waiting for a thread that is making it); `None`
+/// when `dev`'s DMA is translated or the window could not be mapped (the
+/// caller maps its runs itself then). May sleep.
 ///
 /// # Safety
 ///
@@ -135,7 +148,7 @@ pub(crate) unsafe fn get(
     match w & STATE {
         LIVE => read(s, w, dev),
         // SAFETY: as promised by the caller.
-        EMPTY => unsafe { make(s, w, dev, bar) },
+        EMPTY | BUSY => unsafe { make(s, dev, bar) },
         _ => None,
     }
 }
@@ -169,21 +182,23 @@ fn read(s: &Slot, w: u32, dev: *mut bindings::device) -> Option<Window> {
 }
 
 /// Decides the pair's window for `dev`, mapping it if `dev`'s DMA is
-/// untranslated.
+/// untranslated, unless another thread decided it first.
 ///
 /// # Safety
 ///
 /// As for [`get`].
 #[cold]
 #[inline(never)]
-unsafe fn make(
-    s: &Slot,
-    w: u32,
-    dev: *mut bindings::device,
-    (start, end): (u64, u64),
-) -> Option<Window> {
+unsafe fn make(s: &Slot, dev: *mut bindings::device, (start, end): (u64, u64)) -> Option<Window> {
+    let _making = MAKING.lock();
+    let w = s.word.load(Acquire);
+    match w & STATE {
+        EMPTY => (),
+        LIVE => return read(s, w, dev),
+        _ => return None,
+    }
     let busy = next(w, BUSY);
-    s.word.cmpxchg(w, busy, Acquire).ok()?;
+    s.word.store(busy, Relaxed);
     fence(Release);
     // SAFETY: a live device (caller).
     let iommu = unsafe { ffi::peermem_iommu_kind(dev) };
@@ -243,35 +258,25 @@ unsafe fn unmap_whole_bar(dev: *mut bindings::device, start: u64, end: u64, base
 }
 
 /// Retires the window of slot `s` if it is `only`'s (any device's if `None`):
-/// unmaps it and drops its device reference.
+/// unmaps it and drops its device reference. Sleeps while a window is made.
 fn retire(s: &Slot, only: Option<*mut bindings::device>) {
-    loop {
-        let w = s.word.load(Acquire);
-        let state = w & STATE;
-        // BUSY: being made for a bound device (not one losing its driver,
-        // which no core maps for), or retired by another thread.
-        if state == EMPTY || state == BUSY {
-            return;
-        }
-        let dev = s.dev.load(Relaxed);
-        if only.is_some_and(|d| d != dev) {
-            return;
-        }
-        let busy = next(w, BUSY);
-        if s.word.cmpxchg(w, busy, Acquire).is_err() {
-            continue;
-        }
-        fence(Release);
-        if state == LIVE {
-            let (start, end) = (s.start.load(Relaxed), s.end.load(Relaxed));
-            // SAFETY: mapped by `make` for `dev` with these bounds; undone
-            // once (the slot left LIVE above).
-            unsafe { unmap_whole_bar(dev, start, end, s.base.load(Relaxed)) };
-        }
-        s.dev.store(ptr::null_mut(), Relaxed);
-        s.word.store(next(busy, EMPTY), Release);
+    let _making = MAKING.lock();
+    let w = s.word.load(Acquire);
+    let (state, dev) = (w & STATE, s.dev.load(Relaxed));
+    if state == EMPTY || only.is_some_and(|d| d != dev) {
         return;
     }
+    let busy = next(w, BUSY);
+    s.word.store(busy, Relaxed);
+    fence(Release);
+    if state == LIVE {
+        let (start, end) = (s.start.load(Relaxed), s.end.load(Relaxed));
+        // SAFETY: mapped by `make` for `dev` with these bounds; undone once
+        // (the slot left LIVE above, under `MAKING`).
+        unsafe { unmap_whole_bar(dev, start, end, s.base.load(Relaxed)) };
+    }
+    s.dev.store(ptr::null_mut(), Relaxed);
+    s.word.store(next(busy, EMPTY), Release);
 }
 
 /// The number of live windows.
@@ -309,6 +314,9 @@ pub(crate) struct Windows(());
 impl Windows {
     /// Registers the bus notifier (before any client: no window exists yet).
     pub(crate) fn new() -> Result<Self> {
+        // SAFETY: called once per load, from `init`, before any client is
+        // registered (so before `MAKING` is used).
+        unsafe { MAKING.init() };
         // SAFETY: no preconditions; registered once.
         kernel::error::to_result(unsafe { ffi::peermem_watch_devices() })?;
         // INVARIANT: registered just above.

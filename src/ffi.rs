@@ -65,6 +65,18 @@ extern "C" {
     pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
     /// Undoes [`peermem_map_bar`].
     pub(crate) fn peermem_unmap_bar(dev: *mut device, dma: u64, len: u64);
+    /// `dma_map_phys` of coherent (C2C) GPU memory for `dev`, as memory and
+    /// only without bounce buffers or cache maintenance
+    /// (`DMA_ATTR_REQUIRE_COHERENT`): 0 and the DMA address in `dma`, -EIO,
+    /// or -EOPNOTSUPP where the kernel has no such mapping.
+    pub(crate) fn peermem_map_coherent(
+        dev: *mut device,
+        phys: u64,
+        len: u64,
+        dma: *mut u64,
+    ) -> c_int;
+    /// Undoes [`peermem_map_coherent`].
+    pub(crate) fn peermem_unmap_coherent(dev: *mut device, dma: u64, len: u64);
     /// Registers the bus notifier that calls `bar_window`'s
     /// `peermem_device_unbound` when a PCI device loses its driver.
     pub(crate) fn peermem_watch_devices() -> c_int;

@@ -193,6 +193,16 @@ pub(crate) fn get_pages(range: &GpuRange, owner: &RegRef) -> Result<(PageTable, 
 }
 
 impl PageTable {
+    /// A token for the table at `table` (for KUnit).
+    ///
+    /// # Safety
+    ///
+    /// As for a table from the provider: valid while the token is used.
+    #[cfg(CONFIG_KUNIT = "y")]
+    pub(crate) unsafe fn from_raw(table: NonNull<ffi::nvidia_p2p_page_table>) -> Self {
+        PageTable(table)
+    }
+
     /// A second token for the same table.
     ///
     /// # Safety
@@ -328,7 +338,7 @@ impl PageTable {
 }
 
 /// Offset of `flags` in a version 2 page table (after `gpu_uuid`).
-const PAGE_TABLE_V2_FLAGS_OFFSET: usize = 32;
+pub(crate) const PAGE_TABLE_V2_FLAGS_OFFSET: usize = 32;
 /// `NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE` (nv-p2p.h 580+).
 const PAGE_TABLE_FLAGS_CPU_CACHEABLE: u32 = 1;
 

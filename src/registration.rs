@@ -730,14 +730,16 @@ impl<A: Access> Called<'_, A> {
                 let window = route.window(&peer);
                 // SAFETY: the slot is this registration's and is used by one
                 // mapping at a time (see `sg_slot`): this one, made in Mapping.
-                unsafe { bar_map::map(&pages, &peer, &self.sg_slot, window) }.map_err(|e| match e {
-                        e if e == compat::eopnotsupp() => fail!(
-                            Cause::PageTable,
+                unsafe { bar_map::map(&pages, &peer, &self.sg_slot, window) }.map_err(|e| {
+                    match pages.coherent() {
+                        true => fail!(
+                            Cause::DmaMap,
                             e,
-                            "coherent GPU memory cannot be mapped without the GPU driver's lock; use persistent_api_support=1"
+                            "mapping coherent GPU memory for the device failed (a device without coherent DMA, or a kernel without DMA_ATTR_REQUIRE_COHERENT)"
                         ),
-                        e => fail!(Cause::DmaMap, e, "mapping GPU BAR pages for the device failed"),
-                    })
+                        false => fail!(Cause::DmaMap, e, "mapping GPU BAR pages for the device failed"),
+                    }
+                })
             }
             Mode::Persistent => {
                 // SAFETY: a persistent pin, unpinned only by `release` after

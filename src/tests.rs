@@ -863,6 +863,7 @@ mod p2p_tests {
         dma_mapping_version_ok,
         page_table_version_ok,
         provider_error,
+        PageTable,
         PageView, //
     };
     use kernel::prelude::*;
@@ -977,6 +978,43 @@ mod p2p_tests {
         // A device whose segments hold fewer pages bounds it further.
         assert_eq!(bounded_run(8, 4)?, None);
         Ok(())
+    }
+
+    /// A page table of `version` whose word after the public fields (the
+    /// v2 `flags`) holds `flags`, and whether its view says coherent.
+    fn coherent_view(version: u32, flags: u32) -> bool {
+        #[repr(C)]
+        struct V2 {
+            pt: ffi::nvidia_p2p_page_table,
+            flags: u32,
+        }
+        // SAFETY: all-zero is a valid value of the C struct.
+        let mut t: V2 = unsafe { core::mem::zeroed() };
+        assert_eq!(
+            core::mem::offset_of!(V2, flags),
+            crate::p2p::PAGE_TABLE_V2_FLAGS_OFFSET
+        );
+        t.pt.version = version;
+        t.flags = flags;
+        // SAFETY: `t` outlives the token and its view, and is a table with
+        // room for the v2 `flags` whatever its version says.
+        let table = unsafe { PageTable::from_raw(core::ptr::NonNull::from(&mut t.pt)) };
+        // SAFETY: as above.
+        let view = unsafe { table.pages() };
+        view.coherent()
+    }
+
+    #[test]
+    fn only_a_v2_table_flagged_cpu_cacheable_is_coherent() {
+        assert!(coherent_view(0x0002_0000, 1));
+        assert!(coherent_view(0x0002_0007, 1 | 4));
+        assert!(!coherent_view(0x0002_0000, 0));
+        // Another flag is not CPU_CACHEABLE.
+        assert!(!coherent_view(0x0002_0000, 2));
+        // A version 1 table has no flags: the word after it is not read
+        // as flags, whatever it holds.
+        assert!(!coherent_view(0x0001_0002, 1));
+        assert!(!coherent_view(0x0001_ffff, u32::MAX));
     }
 
     #[test]

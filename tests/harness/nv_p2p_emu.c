@@ -18,6 +18,7 @@
  *  - RM re-entered by the lock's holder (a free callback) -> -EIO, put WARNs: RM/rmapi/rmapi.c
  *  - dma_map reads the table before RM, links the mapping after; dma_unmap skips RM: K/nv-p2p.c
  *  - one dma_map_resource per 64 KiB page (independent IOVAs under an IOMMU): OS/osapi.c, K/nv-dma.c
+ *    (coherent memory mapped as memory, page by page: RM/gpu/bus/p2p.c RmP2PDmaMapPages)
  *  - unknown GPU uuid -> -EINVAL; 580+ topology gate -> -ENOTSUPP: OS/osapi.c, K/nv-pci.c
  *  - non-persistent put looked up by current->tgid; not found -> 0, pin kept: RM/gpu/bus/p2p.c
  *  - the tgid is RM's process id: K/os-interface.c (os_get_current_process)
@@ -28,6 +29,9 @@
  *  - table and its DMA mappings freed right after the callback returns: K/nv-p2p.c
  *  - a freed table's address is handed out again (no quarantine in production): K/nv-p2p.c
  *  - BAR1 space is finite; pins of one page share its BAR1 mapping: RM/gpu/bus/p2p.c
+ *  - coherent (C2C) GPUs: memory is system RAM, v2 tables flag CPU_CACHEABLE, no
+ *    topology gate: K/nv-p2p.c, K/nv-pci.c (nv_grdma_pci_topology_supported)
+ *  - MIG/vGPU: persistent pins refused (NV_ERR_NOT_SUPPORTED, -ENOTSUPP): nv-p2p.h, K/nv-p2p.c
  *
  * Written in C: it exports C symbols by name (EXPORT_SYMBOL), maps BAR pages
  * into user space (io_remap_pfn_range) and maps resources for a peer device
@@ -61,6 +65,9 @@
 #ifndef NVIDIA_P2P_FLAGS_FORCE_BAR1_MAPPING	/* 570+ headers */
 #define NVIDIA_P2P_FLAGS_FORCE_BAR1_MAPPING 1
 #endif
+#ifndef NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE	/* 580+ headers */
+#define NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE 1
+#endif
 
 #define GPU_PAGE	(64UL * 1024)
 
@@ -92,6 +99,14 @@ static unsigned int bar1_size_mb;
 module_param(bar1_size_mb, uint, 0444);
 MODULE_PARM_DESC(bar1_size_mb, "usable BAR1 per GPU in MiB for pinning (0: the whole BAR)");
 
+static bool coherent;
+module_param(coherent, bool, 0444);
+MODULE_PARM_DESC(coherent, "coherent (C2C) GPUs, as Grace Hopper: memory in system RAM, v2 tables with CPU_CACHEABLE, no topology gate");
+
+static bool mig;
+module_param(mig, bool, 0444);
+MODULE_PARM_DESC(mig, "MIG (or vGPU) enabled: persistent pins refused as not supported");
+
 static unsigned int pin_cost_us;
 module_param(pin_cost_us, uint, 0644);
 MODULE_PARM_DESC(pin_cost_us, "cost model: fixed delay per pin/unpin call, microseconds");
@@ -113,6 +128,7 @@ struct emu_gpu {
 	u8 uuid[NVIDIA_P2P_GPU_UUID_LEN];
 	bool gone;		/* unbound: no allocation, pin or mapping reaches it */
 	u32 bdf;		/* domain << 16 | bus << 8 | devfn: its identity across rebinds */
+	struct page **ram;	/* coherent: the RAM of each 64 KiB chunk, made on first use */
 };
 
 struct emu_alloc {
@@ -364,6 +380,8 @@ static bool common_upstream_bridge(struct pci_dev *gpu, struct pci_dev *peer)
 /* nv_grdma_pci_topology_supported() for a non-coherent, non-passthrough GPU. */
 static bool topo_supported(struct emu_gpu *g, struct pci_dev *peer)
 {
+	if (coherent)
+		return true;	/* a coherent platform skips the gate */
 	switch (READ_ONCE(topo_check_override)) {
 	case 1:
 		return true;
@@ -383,6 +401,45 @@ static void cost(u64 pages)
 		usleep_range(pin_cost_us, pin_cost_us + 1);
 	if (page_cost_ns && pages)
 		ndelay(min_t(u64, pages * page_cost_ns, 100000000ULL));
+}
+
+/* Where 64 KiB chunk @c of @g is: its BAR page, or (coherent) its RAM. */
+static phys_addr_t chunk_phys(struct emu_gpu *g, u64 c)
+{
+	return coherent ? page_to_phys(g->ram[c]) : g->bar + c * GPU_PAGE;
+}
+
+/* Coherent memory for chunks [first, first + n) of @g. rm_api_lock held. */
+static int coherent_ram(struct emu_gpu *g, u64 first, u64 n)
+{
+	u64 c;
+
+	for (c = first; coherent && c < first + n; c++) {
+		if (!g->ram[c])
+			g->ram[c] = alloc_pages(GFP_KERNEL | __GFP_ZERO, get_order(GPU_PAGE));
+		if (!g->ram[c])
+			return -ENOMEM;
+	}
+	return 0;
+}
+
+/*
+ * A DMA mapping of GPU memory for @dev: of BAR pages as MMIO (nv_dma_map_peer),
+ * of coherent memory as memory (RmP2PDmaMapPages: dma_map_sg of its pages).
+ */
+static dma_addr_t emu_map(struct device *dev, phys_addr_t phys, u64 len)
+{
+	if (coherent)
+		return dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+	return dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+}
+
+static void emu_unmap(struct device *dev, dma_addr_t dma, u64 len)
+{
+	if (coherent)
+		dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+	else
+		dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
 }
 
 static void release_bar(struct emu_alloc *a)
@@ -494,7 +551,7 @@ static void free_mapping(struct emu_mapping *em)
 	struct device *dev = &em->m.pci_dev->dev;
 
 	for (i = 0; i < em->nruns; i++)
-		dma_unmap_resource(dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+		emu_unmap(dev, em->runs[i].dma, em->runs[i].len);
 	atomic64_sub(mapping_bytes(em), &st_bytes);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
@@ -649,15 +706,19 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 		err = -ENOMEM;
 		goto out_unlock;
 	}
+	if (persistent && mig) {
+		pr_info_ratelimited("NVRM: persistent P2P mappings are not supported with MIG\n");
+		err = -ENOTSUPP;
+		goto out_unlock;
+	}
 	bar1_get(a->gpu, t->first_chunk, n);
 	t->pt.version = page_table_version;
 	t->pt.page_size = page_size_type;
 	t->pt.entries = n;
-	t->flags_v2 = 0;
+	t->flags_v2 = coherent ? NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE : 0;
 	memcpy(t->pt.gpu_uuid, a->gpu->uuid, NVIDIA_P2P_GPU_UUID_LEN);
 	for (i = 0; i < n; i++) {
-		t->page_structs[i].physical_address =
-			a->gpu->bar + (a->chunk * GPU_PAGE) + (va - a->va) + i * GPU_PAGE;
+		t->page_structs[i].physical_address = chunk_phys(a->gpu, t->first_chunk + i);
 		t->pt.pages[i] = &t->page_structs[i];
 	}
 	t->alloc = a;
@@ -871,7 +932,7 @@ static int map_pages(struct emu_mapping *em, struct pci_dev *peer, u32 n, u32 st
 				if (addr[r] != start + (u64)(r - i) * GPU_PAGE)
 					break;
 			len = (u64)(r - i) * GPU_PAGE;
-			dma = dma_map_resource(&peer->dev, start, len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+			dma = emu_map(&peer->dev, start, len);
 			if (dma_mapping_error(&peer->dev, dma))
 				return -EIO;
 			em->runs[em->nruns].dma = dma;
@@ -903,7 +964,7 @@ static int map_pages(struct emu_mapping *em, struct pci_dev *peer, u32 n, u32 st
 		dma_addr_t dma;
 
 		i = order ? order[k] : k;
-		dma = dma_map_resource(&peer->dev, addr[i], GPU_PAGE, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+		dma = emu_map(&peer->dev, addr[i], GPU_PAGE);
 		if (dma_mapping_error(&peer->dev, dma)) {
 			kvfree(order);
 			return -EIO;
@@ -1009,7 +1070,7 @@ unlock:
 
 fail:
 	for (i = 0; i < em->nruns; i++)
-		dma_unmap_resource(&peer->dev, em->runs[i].dma, em->runs[i].len, DMA_BIDIRECTIONAL, EMU_DMA_ATTRS);
+		emu_unmap(&peer->dev, em->runs[i].dma, em->runs[i].len);
 	kvfree(em->m.dma_addresses);
 	kfree(em->runs);
 	kfree(em);
@@ -1153,6 +1214,7 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 	u64 off = (u64)vma->vm_pgoff << PAGE_SHIFT;
 	u64 size = vma->vm_end - vma->vm_start;
 	struct emu_alloc *a, *found = NULL;
+	u64 i;
 	int err;
 
 	rm_lock();
@@ -1167,10 +1229,18 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 		return -EINVAL;
 	}
 	vm_flags_set(vma, VM_IO | VM_PFNMAP | VM_DONTEXPAND | VM_DONTCOPY | VM_DONTDUMP);
-	vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
-	err = io_remap_pfn_range(vma, vma->vm_start,
-				 (found->gpu->bar + found->chunk * GPU_PAGE) >> PAGE_SHIFT,
-				 size, vma->vm_page_prot);
+	if (coherent) {
+		/* Cacheable RAM, chunk by chunk: still no struct page for GUP. */
+		for (i = 0, err = 0; i < size / GPU_PAGE && !err; i++)
+			err = remap_pfn_range(vma, vma->vm_start + i * GPU_PAGE,
+					      chunk_phys(found->gpu, found->chunk + i) >> PAGE_SHIFT,
+					      GPU_PAGE, vma->vm_page_prot);
+	} else {
+		vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
+		err = io_remap_pfn_range(vma, vma->vm_start,
+					 chunk_phys(found->gpu, found->chunk) >> PAGE_SHIFT,
+					 size, vma->vm_page_prot);
+	}
 	if (err) {
 		rm_unlock();
 		return err;
@@ -1226,7 +1296,7 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 		return -ENODEV;
 	}
 	start = bitmap_find_next_zero_area(g->used, g->nchunks, 0, chunks, 0);
-	if (start >= g->nchunks) {
+	if (start >= g->nchunks || coherent_ram(g, start, chunks)) {
 		rm_unlock();
 		kfree(a);
 		return -ENOMEM;
@@ -1381,6 +1451,13 @@ static struct emu_gpu *gpu_of_pdev(struct pci_dev *pdev)
 
 static void gpu_free_pages(struct emu_gpu *g)
 {
+	unsigned long c;
+
+	for (c = 0; g->ram && c < g->nchunks; c++)
+		if (g->ram[c])
+			__free_pages(g->ram[c], get_order(GPU_PAGE));
+	kvfree(g->ram);
+	g->ram = NULL;
 	bitmap_free(g->used);
 	kvfree(g->bar1_refs);
 	g->used = NULL;
@@ -1410,8 +1487,9 @@ static int emu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	g->nchunks = g->size / GPU_PAGE;
 	g->used = bitmap_zalloc(g->nchunks, GFP_KERNEL);
 	g->bar1_refs = kvcalloc(g->nchunks, sizeof(*g->bar1_refs), GFP_KERNEL);
+	g->ram = coherent ? kvcalloc(g->nchunks, sizeof(*g->ram), GFP_KERNEL) : NULL;
 	err = -ENOMEM;
-	if (!g->used || !g->bar1_refs) {
+	if (!g->used || !g->bar1_refs || (coherent && !g->ram)) {
 		gpu_free_pages(g);
 		goto out;
 	}
@@ -1519,6 +1597,10 @@ static int __init emu_init(void)
 {
 	int err, i;
 
+	if (coherent && page_table_version >> 16 < 2) {
+		pr_err("coherent GPUs need page table version 2 (580+), not %#x\n", page_table_version);
+		return -EINVAL;
+	}
 	race_wq = alloc_workqueue("nv_p2p_emu_race", WQ_UNBOUND, 0);
 	if (!race_wq)
 		return -ENOMEM;
@@ -1547,7 +1629,8 @@ static int __init emu_init(void)
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);
-	pr_info("%d emulated GPU(s), page table version %#x\n", ngpus, page_table_version);
+	pr_info("%d emulated GPU(s), page table version %#x%s%s\n", ngpus, page_table_version,
+		coherent ? ", coherent" : "", mig ? ", MIG" : "");
 	return 0;
 
 out_workers:

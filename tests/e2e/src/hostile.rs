@@ -1112,3 +1112,181 @@ fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
     mr.map_err(|e| format!("allow_unverified_paths=1: MR {}", errno_name(e)))?;
     Ok("; unverifiable: EOPNOTSUPP, mapped with allow_unverified_paths=1".into())
 }
+
+/// Coherent (C2C) GPUs, as on Grace Hopper and Grace Blackwell (fact 6):
+/// page tables v2 flagged `CPU_CACHEABLE`, memory in system RAM rather than
+/// behind a BAR, no topology gate. Under MIG (fact 9) the GPU driver refuses
+/// persistent pins, so the invalidating client is the only working mode: it
+/// maps the memory itself, byte-exact, on a chipset flagged for the gate,
+/// and revokes on a free. Then without MIG, where every mode maps.
+pub fn coherent_gpu(ctx: &mut Ctx) -> Result<String, String> {
+    let r = coherent_gpu_steps(ctx);
+    let back = ctx.reload_provider(&[]);
+    r.and_then(|d| back.map(|()| d))
+}
+
+fn coherent_gpu_steps(ctx: &mut Ctx) -> Result<String, String> {
+    const V2: &str = "page_table_version=0x00020000";
+    let mut out = Vec::new();
+    for args in [&["coherent=1", "mig=1", V2][..], &["coherent=1", V2][..]] {
+        let mig = args.contains(&"mig=1");
+        ctx.reload_provider(args)?;
+        // The driver skips its gate on coherent platforms: so must we.
+        let _flag = Knob::emu("p2p_unsupported_chipset", "1")?;
+        let refusals0 = (stat("fail_topology"), ctx.gpu().info().topo_refusals);
+        let mut a = ctx.gpu().alloc(0, 4 * M).map_err(errno_name)?;
+        // Unaligned, over many 64 KiB chunks of RAM that need not follow
+        // each other.
+        let mr = coherent_mr(ctx, &a, M + 100, 2 * M, PMC_REG_INVAL_SUPP)?;
+        let cq = coherent_mr(ctx, &a, 0, M - 1000, 0)?;
+        let name = if mig { "MIG" } else { "no MIG" };
+        out.push(format!(
+            "{name}: MR {}, CQ {}",
+            mr.as_ref().map_or_else(|e| errno_name(*e), |s| s.clone()),
+            cq.as_ref().map_or_else(|e| errno_name(*e), |s| s.clone())
+        ));
+        if ctx.opts.reference {
+            continue;
+        }
+        // A persistent pin: refused under MIG, in every mode, with the
+        // errno of "not supported" (never 524).
+        let want_mr = if mig && !ctx.mode.invalidating() {
+            Err(libc::EOPNOTSUPP)
+        } else {
+            Ok(())
+        };
+        let want_cq = if mig { Err(libc::EOPNOTSUPP) } else { Ok(()) };
+        ensure!(
+            mr.as_ref().map(|_| ()).map_err(|e| *e) == want_mr
+                && cq.as_ref().map(|_| ()).map_err(|e| *e) == want_cq,
+            "coherent GPU, {}",
+            out.last().unwrap()
+        );
+        let refusals = (stat("fail_topology"), ctx.gpu().info().topo_refusals);
+        ensure!(
+            refusals == refusals0,
+            "coherent memory went through the topology gate: {refusals0:?} -> {refusals:?}"
+        );
+        if ctx.mode.invalidating() {
+            coherent_free(ctx, &mut a)?;
+        }
+        let gi = ctx.gpu().info();
+        ensure!(
+            gi.live_tables == 0 && gi.live_mappings == 0,
+            "coherent GPU, {name}: {} tables and {} mappings left",
+            gi.live_tables,
+            gi.live_mappings
+        );
+    }
+    Ok(out.join("; "))
+}
+
+/// Registers `len` bytes at `off` of `a` with `flags` and moves bytes both
+/// ways through the MR: the SG entries, the pins and the GPU driver's DMA
+/// mappings checked for this module. `Ok(Err(errno))` if refused.
+fn coherent_mr(
+    ctx: &mut Ctx,
+    a: &Alloc,
+    off: u64,
+    len: u64,
+    flags: u64,
+) -> Result<Result<String, i32>, String> {
+    let (page, gpu_page) = (4096u64, 64u64 << 10);
+    let seed = ctx.rand();
+    let n = 256usize;
+    let offs = [0, len / 2, len - n as u64];
+    for &s in &offs {
+        a.write(off + s, &pattern(seed, s, n));
+    }
+    let gi0 = ctx.gpu().info();
+    let h = match ctx.core.reg(a.va + off, len, flags) {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    let gi1 = ctx.gpu().info();
+    let q = ctx.core.query(h).map_err(errno_name)?;
+    let (start, end) = (a.va + off, a.va + off + len);
+    let span = end.div_ceil(page) * page - start / page * page;
+    let chunks = end.div_ceil(gpu_page) - start / gpu_page;
+    let callback = ctx.mode.invalidating() && flags & PMC_REG_INVAL_SUPP != 0;
+    let moved = (|| {
+        for &s in &offs {
+            let got = ctx.core.dma_read(h, s, n).map_err(errno_name)?;
+            ensure!(
+                got == pattern(seed, s, n),
+                "DMA read other bytes at MR+{s:#x}"
+            );
+        }
+        let seed2 = ctx.rand();
+        for &s in &offs {
+            ctx.core
+                .dma_write(h, s, &pattern(seed2, s, n))
+                .map_err(errno_name)?;
+            ensure!(
+                a.read(off + s, n) == pattern(seed2, s, n),
+                "the CPU sees other bytes than the HCA wrote at MR+{s:#x}"
+            );
+        }
+        Ok(())
+    })();
+    ctx.core.dereg(h).map_err(errno_name)?;
+    moved?;
+    ensure!(
+        q.state == PMC_STATE_MAPPED && q.page_size == gpu_page && q.total_len == span,
+        "state {}, page size {:#x}, SG entries over {:#x} bytes (want {span:#x})",
+        q.state,
+        q.page_size,
+        q.total_len
+    );
+    if !ctx.opts.reference {
+        let pins = (
+            gi1.pins - gi0.pins,
+            gi1.persistent_pins - gi0.persistent_pins,
+            gi1.dma_maps - gi0.dma_maps,
+        );
+        let want = if callback { (1, 0, 0) } else { (0, 1, 1) };
+        ensure!(
+            pins == want,
+            "pins with callback, persistent pins, GPU driver mappings: {pins:?}, want {want:?}"
+        );
+        ensure!(
+            q.nmap >= 1 && q.nmap <= chunks,
+            "{} SG entries over {chunks} GPU pages",
+            q.nmap
+        );
+    }
+    Ok(Ok(format!("mapped ({} entries)", q.nmap)))
+}
+
+/// A free under a live invalidating MR on coherent memory: revoked, the
+/// HCA refused, one callback, nothing left pinned.
+fn coherent_free(ctx: &mut Ctx, a: &mut Alloc) -> Result<(), String> {
+    let cb0 = ctx.gpu().info().callbacks;
+    let h = ctx
+        .core
+        .reg(a.va, M, PMC_REG_INVAL_SUPP)
+        .map_err(|e| format!("coherent MR before the free: {}", errno_name(e)))?;
+    a.unmap();
+    let q = ctx.core.query(h).map_err(errno_name)?;
+    let dma = ctx.core.dma_read(h, 0, 64);
+    ctx.core.dereg(h).map_err(errno_name)?;
+    let want = if ctx.mode.legacy() {
+        PMC_STATE_UNMAPPED
+    } else {
+        PMC_STATE_INVALIDATED
+    };
+    ensure!(
+        q.state == want && q.revoked == 1,
+        "coherent MR after the free: state {} revoked {}",
+        q.state,
+        q.revoked
+    );
+    expect_err(dma, libc::EACCES, "DMA through the revoked coherent MR")?;
+    ensure!(
+        ctx.gpu().info().callbacks == cb0 + 1 && stat("pinned_bytes") == 0,
+        "coherent free: {} callbacks, {} bytes pinned",
+        ctx.gpu().info().callbacks - cb0,
+        stat("pinned_bytes")
+    );
+    Ok(())
+}

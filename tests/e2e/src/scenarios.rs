@@ -211,6 +211,11 @@ pub const ALL: &[Scenario] = &[
         run: hostile::topology_gate,
     },
     Scenario {
+        name: "coherent_gpu",
+        applies: always,
+        run: hostile::coherent_gpu,
+    },
+    Scenario {
         name: "exit_gpu_fd_first",
         applies: invalidating,
         run: hostile::exit_gpu_first,
