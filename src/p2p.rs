@@ -143,6 +143,70 @@ unsafe extern "C" fn free_trampoline(data: *mut c_void) {
     crate::reaper::defer(owner);
 }
 
+/// Waits, at module exit, for every free callback that may still be running
+/// this module's code.
+///
+/// [`free_trampoline`] hands its reference to the reap queue and then still
+/// has to return; if that reference was the last, the module can be unloaded
+/// in between. The callback runs under the GPU driver's RM API lock, and every
+/// p2p entry point takes that lock first (real-driver-behaviour.md, facts 1
+/// and 2): so one call that enters RM after the last module reference is gone
+/// returns only when every callback in flight has returned to RM. The call is
+/// a persistent pin of address 0, which is never GPU memory: RM takes the lock,
+/// fails to find a GPU for it and answers `EINVAL` (`rm_p2p_get_gpu_info`,
+/// `src/nvidia/arch/nvalloc/unix/src/osapi.c`). Scenario
+/// `rmmod_races_last_callback` fails if exit does not wait.
+///
+/// # Invariants
+///
+/// Made only by the invalidating mode's init; dropped in its exit after the
+/// clients are unregistered (no new callback can be armed then).
+pub(crate) struct CallbackFence(());
+
+impl CallbackFence {
+    /// A fence for the module's exit.
+    pub(crate) fn new() -> Self {
+        Self(())
+    }
+
+    /// One call through RM's API lock; `Ok` when the lock was taken.
+    fn through_rm_lock() -> Result {
+        let probe = GpuRange {
+            start: 0,
+            len: GPU_PAGE_SIZE,
+        };
+        match get_pages_persistent(&probe) {
+            // Taken, and no GPU maps address 0.
+            Err(e) if e == EINVAL => Ok(()),
+            // Some GPU does: taken too; give the pin back.
+            Ok(table) => {
+                // SAFETY: just pinned by `get_pages_persistent` for `probe`.
+                if let Err(e) = unsafe { table.put_persistent(&probe) } {
+                    pr_warn!("exit: unpinning the lock probe at address 0 failed: {e:?}\n");
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for CallbackFence {
+    fn drop(&mut self) {
+        // An error from before the lock (an allocation, say) proves nothing:
+        // try again, for up to half a second.
+        for _ in 0..50 {
+            if Self::through_rm_lock().is_ok() {
+                return;
+            }
+            kernel::time::delay::fsleep(kernel::time::Delta::from_millis(10));
+        }
+        pr_warn!(
+            "exit: the GPU driver refused every call, so a free callback may still be returning\n"
+        );
+    }
+}
+
 fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
     if rc != 0 {
         return Err(provider_error(rc));

@@ -158,10 +158,15 @@ pub(crate) fn this_module() -> *mut bindings::module {
 ///
 /// Fields drop in declaration order: the clients unregister first (the core
 /// waits for their registrations, which hold module references, so none is
-/// left), then the reap queue drains (a free callback's last drop may still be
-/// returning from its work), then the statistics go.
+/// left), then the free callbacks still returning are waited for (through the
+/// GPU driver's lock, see [`p2p::CallbackFence`]), then the reap queue drains
+/// (a free callback's last drop may still be returning from its work), then
+/// the statistics go.
 struct NvidiaPeermem {
     _clients: KVec<CoreRegistration>,
+    // After the clients: no callback can be armed; before the reaper: the
+    // callbacks that handed it references have returned.
+    _callbacks: Option<p2p::CallbackFence>,
     _reaper: reaper::ReapQueue,
     // After the clients and the reaper: no registration uses a window.
     _windows: bar_window::Windows,
@@ -309,6 +314,7 @@ impl kernel::Module for NvidiaPeermem {
         );
         Ok(Self {
             _clients: clients,
+            _callbacks: (persistent != 1).then(p2p::CallbackFence::new),
             _reaper: reaper,
             _windows: windows,
             _waitq: waitq,

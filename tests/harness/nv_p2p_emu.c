@@ -321,6 +321,16 @@ static u32 reuse_tables;
 static struct dentry *dbg_dir;
 
 /*
+ * A free callback's RM-locked section: RM runs the callback under its API
+ * lock and keeps the lock while it frees the table afterwards (fact 2).
+ * callback_hold_ms stretches what follows the callback, so that a client
+ * whose exit does not wait for that section can be seen unloading inside it:
+ * callbacks_running is non-zero from the call until the section ends.
+ */
+static u32 callback_hold_ms;
+static atomic_t callbacks_running;
+
+/*
  * The 580+ topology gate's inputs (K/nv-pci.c nv_grdma_pci_topology_supported):
  * NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET, which RM sets at adapter init for a
  * chipset not known to forward peer-to-peer traffic, and
@@ -607,7 +617,11 @@ static unsigned int free_alloc(struct emu_alloc *a)
 			       t->cb, t->data);
 			WARN(1, "nv_p2p_emu: pin leaked past its client's unload\n");
 		} else {
+			atomic_inc(&callbacks_running);
 			t->cb(t->data);
+			if (callback_hold_ms)
+				msleep(callback_hold_ms);
+			atomic_dec(&callbacks_running);
 		}
 		unlink_table(t);
 		free_table(t);
@@ -1624,6 +1638,8 @@ static int __init emu_init(void)
 	debugfs_create_u32("dma_map_style", 0600, dbg_dir, &dma_map_style);
 	debugfs_create_u32("deferred_teardown_ms", 0600, dbg_dir, &deferred_teardown_ms);
 	debugfs_create_u32("reuse_tables", 0600, dbg_dir, &reuse_tables);
+	debugfs_create_u32("callback_hold_ms", 0600, dbg_dir, &callback_hold_ms);
+	debugfs_create_atomic_t("callbacks_running", 0400, dbg_dir, &callbacks_running);
 	debugfs_create_u32("p2p_unsupported_chipset", 0600, dbg_dir, &p2p_unsupported_chipset);
 	debugfs_create_u32("topo_check_override", 0600, dbg_dir, &topo_check_override);
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);

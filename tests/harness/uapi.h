@@ -54,6 +54,8 @@ struct nvemu_info {
  *                         get_pages_persistent, dma_map_pages, put_pages, put_pages_persistent
  *                         or dma_unmap_pages with <errno> (< 0), changing nothing
  *   free_delay_ms         sleep before each free callback (RM lock held)
+ *   callback_hold_ms      sleep after each free callback returns, before RM drops its lock
+ *   callbacks_running     (read-only) free callbacks whose RM-locked section has not ended
  *   race_free_on_pin      the next N non-persistent pins get a racing cudaFree
  *   dma_map_style         NVEMU_DMA_MAP_* below
  *   deferred_teardown_ms  0: off; else an exiting owner's allocations are torn down (callbacks

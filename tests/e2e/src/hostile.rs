@@ -653,10 +653,15 @@ pub fn foreign_dereg_then_kernel_thread(ctx: &mut Ctx) -> Result<String, String>
 
 /// The free callback's reference is the registration's last (the unpin
 /// failed), and rmmod races the free: the module must not go while its code
-/// runs, and must go once it can.
+/// runs, and must go once it can. The harness holds RM's lock a while after
+/// each callback returns (`callback_hold_ms`): an exit that does not wait for
+/// the callback's locked section unloads inside it, which the unloader sees
+/// as `callbacks_running` above 0 the moment `delete_module` returns.
 pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
     let rounds = if ctx.opts.quick { 3 } else { 12 };
     let name = std::ffi::CString::new("nvidia_peermem").map_err(|e| e.to_string())?;
+    let _hold = Knob::emu("callback_hold_ms", "200")?;
+    let running = format!("{EMU}/callbacks_running");
     for i in 0..rounds {
         let mut a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
         let h = ctx
@@ -667,7 +672,7 @@ pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
         ensure!(stat("stranded_pins") == 1, "round {i}: pin not stranded");
         let (tx, rx) = mpsc::channel();
         let (armed_tx, armed_rx) = mpsc::channel();
-        let n = name.clone();
+        let (n, running) = (name.clone(), running.clone());
         let unloader = std::thread::spawn(move || {
             let t = Instant::now();
             let mut tries = 0u64;
@@ -678,7 +683,8 @@ pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
                 let rc =
                     unsafe { libc::syscall(libc::SYS_delete_module, n.as_ptr(), libc::O_NONBLOCK) };
                 if rc == 0 || t.elapsed() > Duration::from_secs(10) {
-                    let _ = tx.send(if rc == 0 { tries } else { 0 });
+                    let inside = std::fs::read_to_string(&running).unwrap_or_default();
+                    let _ = tx.send((if rc == 0 { tries } else { 0 }, inside));
                     return;
                 }
                 if tries == 1 {
@@ -692,7 +698,7 @@ pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
         let refused_first = armed_rx.recv_timeout(Duration::from_secs(5)).is_ok();
         std::thread::sleep(Duration::from_millis(i % 3));
         a.unmap();
-        let tries = rx
+        let (tries, inside) = rx
             .recv_timeout(Duration::from_secs(15))
             .map_err(|_| "unloader hung".to_string())?;
         let _ = unloader.join();
@@ -703,6 +709,11 @@ pub fn rmmod_races_last_callback(ctx: &mut Ctx) -> Result<String, String> {
         ensure!(
             tries > 0,
             "round {i}: the module never unloaded after its last callback"
+        );
+        ensure!(
+            inside.trim() == "0",
+            "round {i}: unloaded while {} free callback(s) had not returned to the GPU driver",
+            inside.trim()
         );
         ctx.load()?;
     }

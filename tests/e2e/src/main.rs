@@ -188,6 +188,13 @@ impl Ctx {
     /// Reloads the emulated GPU driver with `args` (module under test too).
     pub fn reload_provider(&mut self, args: &[&str]) -> Result<(), String> {
         self.unload()?;
+        // The new driver counts stale uses from 0: those of this scenario so
+        // far are judged here, against the old driver's count.
+        let stale = self
+            .gpu
+            .as_ref()
+            .map_or(0, |g| g.info().stale_puts.saturating_sub(self.stale_puts));
+        self.stale_puts = 0;
         self.gpu = None;
         if !module::rmmod("nv_p2p_emu")? {
             return Err("rmmod nv_p2p_emu refused".into());
@@ -195,7 +202,13 @@ impl Ctx {
         module::insmod(&self.opts.emu, args)?;
         self.emu_args = args.iter().map(|s| s.to_string()).collect();
         self.gpu = Some(Gpu::open()?);
-        self.load()
+        self.load()?;
+        match stale {
+            0 => Ok(()),
+            n => Err(format!(
+                "HARNESS FAILURE: {n} uses of page tables the GPU driver had freed"
+            )),
+        }
     }
 
     pub fn provider_is_default(&self) -> bool {
@@ -396,6 +409,8 @@ fn main() {
                 }
             }
             if !ctx.provider_is_default() {
+                // The scenario is judged: its stale uses are not the reload's.
+                ctx.stale_puts = ctx.gpu.as_ref().map_or(0, |g| g.info().stale_puts);
                 if let Err(e) = ctx.reload_provider(&[]) {
                     println!("E2E FAIL {}/provider-reload: {e}", mode.name());
                     failed += 1;
