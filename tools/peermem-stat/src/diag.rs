@@ -7,7 +7,12 @@
 
 use std::io;
 
-use crate::sysfs::{parse_u64, Counters, Module, Sys};
+use serde::Serialize;
+
+use crate::{
+    render::Obj,
+    sysfs::{parse_u64, Counters, Module, Sys},
+};
 
 pub const PATHS: &str = "/sys/kernel/debug/nvidia_peermem/paths";
 pub const GPUS: &str = "/sys/kernel/debug/nvidia_peermem/gpus";
@@ -16,8 +21,8 @@ pub const PROCESSES: &str = "/sys/kernel/debug/nvidia_peermem/processes";
 /// Path classes, best first, in `nvidia-smi topo -m` vocabulary.
 pub const CLASSES: &[&str] = &["PIX", "PXB", "PHB", "NODE", "SYS"];
 
-/// One (GPU, HCA) pair of `paths`.
-#[derive(Debug, Clone, PartialEq)]
+/// One (GPU, HCA) pair of `paths` (its JSON record too).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PathRec {
     pub gpu: String,
     pub hca: String,
@@ -27,19 +32,22 @@ pub struct PathRec {
     pub acs_redirect: bool,
     /// The HCA's IOMMU domain type: none, identity, dma, dma-fq, other.
     pub iommu: String,
+    /// The HCA's DMA goes through IOMMU translation (dma, dma-fq).
+    pub iommu_translated: bool,
     pub registrations: u64,
     /// (errno name, count), in file order.
+    #[serde(serialize_with = "in_order")]
     pub failures: Vec<(String, u64)>,
     pub last_failure: Option<String>,
     pub policy_refusals: u64,
 }
 
-impl PathRec {
-    /// The HCA's DMA goes through IOMMU translation.
-    pub fn translated(&self) -> bool {
-        matches!(self.iommu.as_str(), "dma" | "dma-fq")
-    }
+/// (name, count) pairs as one JSON object, in their order.
+fn in_order<S: serde::Serializer>(v: &[(String, u64)], s: S) -> Result<S::Ok, S::Error> {
+    Obj(v.iter().map(|(k, n)| (k, n)).collect()).serialize(s)
+}
 
+impl PathRec {
     /// The class is one the module knows how to name.
     pub fn classified(&self) -> bool {
         CLASSES.contains(&self.class.as_str())
@@ -47,7 +55,7 @@ impl PathRec {
 }
 
 /// One GPU of `gpus`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GpuRec {
     pub gpu: String,
     pub live: u64,
@@ -56,7 +64,7 @@ pub struct GpuRec {
 }
 
 /// One process of `processes` (only those with live registrations).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProcRec {
     pub tgid: u64,
     pub comm: String,
@@ -233,7 +241,7 @@ fn path_line(l: &Line) -> Result<PathRec, String> {
         "1" => true,
         v => return Err(format!("acs_redirect: not 0 or 1: {:?}", short(v))),
     };
-    let iommu = l.get("iommu")?.into();
+    let iommu: String = l.get("iommu")?.into();
     let registrations = l.num("registrations")?;
     let failures = match l.opt("failures")? {
         None => Vec::new(),
@@ -252,6 +260,7 @@ fn path_line(l: &Line) -> Result<PathRec, String> {
         hca,
         class,
         acs_redirect,
+        iommu_translated: matches!(iommu.as_str(), "dma" | "dma-fq"),
         iommu,
         registrations,
         failures,
@@ -345,9 +354,9 @@ mod tests {
             [("EOPNOTSUPP".to_string(), 1), ("ENOMEM".to_string(), 2)]
         );
         assert_eq!(a.last_failure.as_deref(), Some("EOPNOTSUPP"));
-        assert!(a.translated() && !a.acs_redirect);
+        assert!(a.iommu_translated && !a.acs_redirect);
         let b = &r.records[1];
-        assert!(b.acs_redirect && b.translated() && b.failures.is_empty());
+        assert!(b.acs_redirect && b.iommu_translated && b.failures.is_empty());
         assert_eq!(b.policy_refusals, 3);
         assert_eq!(r.errors.len(), 5, "{:?}", r.errors);
         assert!(r.errors[0].starts_with("line 4: gpu=0000:00:03.0 hca=0000:00:02.0 repeated"));

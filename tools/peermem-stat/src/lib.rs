@@ -8,7 +8,7 @@
 pub mod args;
 pub mod detect;
 pub mod diag;
-pub mod json;
+pub mod doctor;
 pub mod prom;
 pub mod render;
 pub mod sysfs;
@@ -19,13 +19,16 @@ use std::{
     time::Instant,
 };
 
-use args::{Cmd, Opts, View};
+use args::{Cli, Command, View};
+use clap::{error::ErrorKind, CommandFactory};
 use render::Rates;
+use serde::Serialize;
 use sysfs::{Snapshot, Sys};
 
 pub const EXIT_OK: i32 = 0;
 pub const EXIT_USAGE: i32 = 1;
 pub const EXIT_NOTHING: i32 = 2;
+pub const EXIT_FINDINGS: i32 = 3;
 
 /// Runs the tool with `args` (without the program name); returns the exit
 /// status. `tty`: stdout is a terminal (watch frames then clear the screen).
@@ -36,28 +39,42 @@ pub fn run<I: IntoIterator<Item = String>>(
     tty: bool,
 ) -> i32 {
     let opts = match args::parse(args) {
-        Ok(Cmd::Run(o)) => o,
-        Ok(Cmd::Help) => return finish(out.write_all(args::HELP.as_bytes()), err),
-        Ok(Cmd::Version) => {
-            let v = format!("peermem-stat {}\n", env!("CARGO_PKG_VERSION"));
-            return finish(out.write_all(v.as_bytes()), err);
+        Ok(o) => o,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            return finish(write!(out, "{}", e.render()), err);
         }
         Err(e) => {
-            let _ = writeln!(err, "peermem-stat: {e}\nTry 'peermem-stat --help'.");
+            let _ = write!(err, "{}", e.render());
             return EXIT_USAGE;
         }
     };
+    let sys = Sys::new(&opts.root);
+    match &opts.command {
+        Some(Command::Completions { shell }) => {
+            let mut cmd = Cli::command();
+            clap_complete::generate(*shell, &mut cmd, "peermem-stat", out);
+            return finish(out.flush(), err);
+        }
+        Some(Command::Doctor { log }) => {
+            let r = doctor::Report::new(&sys, log.as_deref());
+            return match finish(r.write(out, err, opts.json), err) {
+                EXIT_OK if !r.findings.is_empty() => EXIT_FINDINGS,
+                code => code,
+            };
+        }
+        _ => {}
+    }
     if opts.prometheus {
         // Written for a textfile collector: "not loaded" is a value
         // (nvidia_peermem_up 0), not a failure that would keep a stale file.
-        let snap = Snapshot::read(&Sys::new(&opts.root));
+        let snap = Snapshot::read(&sys);
         return finish(
             out.write_all(prom::prometheus(&snap).as_bytes())
                 .and_then(|()| out.flush()),
             err,
         );
     }
-    match frames(&opts, out, tty) {
+    match frames(&opts, &sys, out, tty) {
         Ok(true) => EXIT_OK,
         Ok(false) => {
             let _ = writeln!(
@@ -87,26 +104,24 @@ fn finish(r: io::Result<()>, err: &mut dyn Write) -> i32 {
 
 /// Shows one frame, or frames every `--watch` interval; returns whether the
 /// last frame found anything.
-fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
-    let sys = Sys::new(&o.root);
+fn frames(o: &Cli, sys: &Sys, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
     let start = Instant::now();
     let mut prev: Option<(Snapshot, Instant)> = None;
     let mut n = 0u64;
     loop {
         n += 1;
         let now = Instant::now();
-        let snap = Snapshot::read(&sys);
+        let snap = Snapshot::read(sys);
         let rates = prev
             .as_ref()
             .map(|(p, t)| Rates::between(p, &snap, now.duration_since(*t).as_secs_f64()));
         if o.json {
-            let v = match o.view {
-                View::Overview => render::json(&snap, rates.as_ref()),
-                View::Paths => views::paths_json(&snap),
-                View::ByGpu => views::by_gpu_json(&snap),
-                View::ByProcess => views::by_process_json(&snap),
-            };
-            writeln!(out, "{v}")?;
+            match o.view() {
+                View::Overview => json_line(out, &render::json(&snap, rates.as_ref()))?,
+                View::Paths => json_line(out, &views::paths_json(&snap))?,
+                View::ByGpu => json_line(out, &views::by_gpu_json(&snap))?,
+                View::ByProcess => json_line(out, &views::by_process_json(&snap))?,
+            }
         } else {
             if o.watch.is_some() {
                 if tty {
@@ -119,7 +134,7 @@ fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
                     now.duration_since(start).as_secs_f64()
                 )?;
             }
-            let text = match o.view {
+            let text = match o.view() {
                 View::Overview => render::table(&snap, o.all, rates.as_ref()),
                 View::Paths => views::paths(&snap),
                 View::ByGpu => views::by_gpu(&snap),
@@ -141,4 +156,10 @@ fn frames(o: &Opts, out: &mut dyn Write, tty: bool) -> io::Result<bool> {
         std::thread::sleep(every);
         prev = Some((snap, now));
     }
+}
+
+/// `v` as one line of JSON.
+pub(crate) fn json_line(out: &mut dyn Write, v: &impl Serialize) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, v)?;
+    writeln!(out)
 }

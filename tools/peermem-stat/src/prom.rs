@@ -2,7 +2,10 @@
 
 //! The whole state in the Prometheus text exposition format 0.0.4, for
 //! node_exporter's textfile collector: each family's `# HELP` and `# TYPE`
-//! once, then its samples; no timestamps.
+//! once, then its samples; no timestamps. Naming follows the exposition
+//! conventions: a counter only for what only grows (it resets when the
+//! module is reloaded), `_total` only on counters, the base unit (`_bytes`)
+//! last before it. The tests read it back with a third-party parser.
 
 use std::fmt::Write;
 
@@ -311,7 +314,7 @@ pub fn prometheus(s: &Snapshot) -> String {
                 x.pinned_bytes,
             );
             m.add(
-                "gpu_pinned_bytes_max",
+                "gpu_max_pinned_bytes",
                 "high-water mark of GPU bytes pinned by GPU",
                 g,
                 gpu,

@@ -4,9 +4,10 @@
 
 use std::fmt::Write;
 
+use serde::{Serialize, Serializer};
+
 use crate::{
     detect::{self, RULES},
-    json::Json,
     sysfs::{Field, Snapshot, MODULE_DIR, PEERS_DIR, STATS},
 };
 
@@ -31,18 +32,6 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
     ("invalidations", "free callbacks from the GPU driver"),
     ("core_invalidations", "calls of the core's invalidate hook"),
     ("sg_entries", "scatterlist entries handed out"),
-    (
-        "window_maps",
-        "non-persistent mappings made in a whole-BAR window (untranslated peers)",
-    ),
-    (
-        "single_section_maps",
-        "window mappings made in one section of the registration's lock (at most 64 pages)",
-    ),
-    (
-        "bar_windows",
-        "whole-BAR DMA windows live (one per GPU/peer pair without IOMMU translation)",
-    ),
     (
         "foreign_releases",
         "releases in another process than the pinning one",
@@ -99,7 +88,7 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
     ),
     (
         "param_pair_table_slots",
-        "GPU/peer pairs tracked (per-pair counts and BAR windows)",
+        "GPU/peer pairs tracked (per-pair counts)",
     ),
     (
         "param_allow_unverified_paths",
@@ -124,42 +113,49 @@ const PEER_COLUMNS: &[(&str, &str)] = &[
 ];
 
 /// Counter changes between two frames.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Rates {
+    #[serde(serialize_with = "round3")]
     pub interval_s: f64,
     /// None: unknown, or the counter went backwards (module reloaded).
     pub registrations: Option<u64>,
     pub invalidations: Option<u64>,
+    #[serde(serialize_with = "round3_opt")]
+    registrations_per_s: Option<f64>,
+    #[serde(serialize_with = "round3_opt")]
+    invalidations_per_s: Option<f64>,
 }
 
 impl Rates {
     pub fn between(prev: &Snapshot, cur: &Snapshot, interval_s: f64) -> Self {
         let delta = |n: &str| cur.stat(n)?.checked_sub(prev.stat(n)?);
-        Self {
+        let mut r = Self {
             interval_s,
             registrations: delta("registrations"),
             invalidations: delta("invalidations"),
-        }
+            registrations_per_s: None,
+            invalidations_per_s: None,
+        };
+        r.registrations_per_s = r.per_s(r.registrations);
+        r.invalidations_per_s = r.per_s(r.invalidations);
+        r
     }
 
     pub fn per_s(&self, delta: Option<u64>) -> Option<f64> {
-        if self.interval_s > 0.0 {
-            Some(delta? as f64 / self.interval_s)
-        } else {
-            None
-        }
+        Some(delta? as f64 / self.interval_s).filter(|_| self.interval_s > 0.0)
     }
+}
 
-    fn json(&self) -> Json {
-        let n = |d: Option<u64>| Json::opt(d, Json::Num);
-        let r = |d: Option<u64>| Json::opt(self.per_s(d), Json::Float);
-        Json::obj([
-            ("interval_s", Json::Float(self.interval_s)),
-            ("registrations", n(self.registrations)),
-            ("invalidations", n(self.invalidations)),
-            ("registrations_per_s", r(self.registrations)),
-            ("invalidations_per_s", r(self.invalidations)),
-        ])
+/// Seconds and rates in JSON: 3 decimals, a whole number without them
+/// (`2`, not `2.0`), null when not finite.
+fn round3<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+    round3_opt(&Some(*x), s)
+}
+
+fn round3_opt<S: Serializer>(x: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match x.map(|x| (x * 1000.0).round() / 1000.0) {
+        Some(x) if x.fract() == 0.0 && x.abs() < 1e15 => (x as i64).serialize(s),
+        x => x.serialize(s),
     }
 }
 
@@ -341,90 +337,130 @@ fn write_table(o: &mut String, s: &Snapshot, all: bool, rates: Option<&Rates>) -
     Ok(())
 }
 
-/// A text field, null when absent or unreadable (see "errors").
-fn text(f: Option<&Field<String>>) -> Json {
-    match f {
-        Some(Ok(s)) => Json::str(s.as_str()),
-        _ => Json::Null,
+/// Pairs as one JSON object, in their order.
+pub(crate) struct Obj<K, V>(pub(crate) Vec<(K, V)>);
+
+impl<K: Serialize, V: Serialize> Serialize for Obj<K, V> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
     }
 }
 
-/// A counter, null when absent or unreadable (see "errors").
-fn num(f: Option<&Field<u64>>) -> Json {
-    match f {
-        Some(Ok(n)) => Json::Num(*n),
-        _ => Json::Null,
-    }
+/// Named fields as one object, a value that could not be read as null (see
+/// "errors").
+fn fields<'a, T: 'a>(
+    f: impl IntoIterator<Item = &'a (String, Field<T>)>,
+) -> Obj<&'a str, Option<&'a T>> {
+    Obj(f
+        .into_iter()
+        .map(|(n, v)| (n.as_str(), v.as_ref().ok()))
+        .collect())
 }
 
-/// One frame as a JSON object (keys always present, in this order).
-pub fn json(s: &Snapshot, rates: Option<&Rates>) -> Json {
+/// An optional file's value: null when absent or unreadable (see "errors").
+fn ok<T>(f: &Option<Field<T>>) -> Option<&T> {
+    f.as_ref()?.as_ref().ok()
+}
+
+/// One frame as JSON (keys always present, in this order).
+#[derive(Serialize)]
+pub struct Frame<'a> {
+    module: ModuleJson<'a>,
+    stats: Option<Obj<&'a str, Option<&'a u64>>>,
+    stats_error: Option<&'a str>,
+    peers: Obj<&'a str, PeerJson<'a>>,
+    detection: Vec<DetectionJson>,
+    dmabuf: DmaBufJson<'a>,
+    rates: Option<&'a Rates>,
+    errors: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct ModuleJson<'a> {
+    loaded: bool,
+    version: Option<&'a String>,
+    implementation: Option<&'static str>,
+    parameters: Obj<&'a str, Option<&'a String>>,
+    refcnt: Option<&'a u64>,
+}
+
+#[derive(Serialize)]
+struct PeerJson<'a> {
+    version: Option<&'a String>,
+    #[serde(flatten)]
+    counters: Obj<&'a str, Option<&'a u64>>,
+    live_mrs: Option<u64>,
+    live_bytes: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct DetectionJson {
+    stack: &'static str,
+    enabled: bool,
+    path: Option<&'static str>,
+    meaning: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct DmaBufJson<'a> {
+    nvidia_loaded: bool,
+    nvidia_version: Option<&'a String>,
+    kernel: Option<&'a String>,
+    driver_ok: Option<bool>,
+    kernel_ok: Option<bool>,
+    note: &'static str,
+}
+
+/// One frame as JSON.
+pub fn json<'a>(s: &'a Snapshot, rates: Option<&'a Rates>) -> Frame<'a> {
     let m = &s.module;
-    let module = Json::obj([
-        ("loaded", Json::Bool(m.loaded)),
-        ("version", text(m.version.as_ref())),
-        ("implementation", Json::opt(s.implementation, Json::str)),
-        (
-            "parameters",
-            Json::obj(
-                m.parameters
-                    .iter()
-                    .map(|(n, v)| (n.as_str(), text(Some(v)))),
-            ),
-        ),
-        ("refcnt", num(m.refcnt.as_ref())),
-    ]);
-    let (stats, stats_error) = match &s.stats {
-        Ok(v) => (
-            Json::obj(v.iter().map(|(n, v)| (n.as_str(), num(Some(v))))),
-            Json::Null,
-        ),
-        Err(e) => (Json::Null, Json::str(e.as_str())),
-    };
-    let peers = Json::obj(s.peers.iter().map(|p| {
-        let mut fields = vec![("version".to_string(), text(p.version.as_ref()))];
-        for (n, v) in &p.counters {
-            if !matches!(n.as_str(), "version" | "live_mrs" | "live_bytes") {
-                fields.push((n.clone(), num(Some(v))));
-            }
-        }
-        fields.push(("live_mrs".into(), Json::opt(p.live_mrs(), Json::Num)));
-        fields.push(("live_bytes".into(), Json::opt(p.live_bytes(), Json::Num)));
-        (p.name.as_str(), Json::Obj(fields))
-    }));
-    let detection = Json::Arr(
-        s.detection
+    let b = &s.dmabuf;
+    Frame {
+        module: ModuleJson {
+            loaded: m.loaded,
+            version: ok(&m.version),
+            implementation: s.implementation,
+            parameters: fields(&m.parameters),
+            refcnt: ok(&m.refcnt),
+        },
+        stats: s.stats.as_ref().ok().map(fields),
+        stats_error: s.stats.as_ref().err().map(String::as_str),
+        peers: Obj(s
+            .peers
             .iter()
-            .map(|d| {
-                Json::obj([
-                    ("stack", Json::str(d.stack)),
-                    ("enabled", Json::Bool(d.matched.is_some())),
-                    ("path", Json::opt(d.matched, |r| Json::str(r.path))),
-                    ("meaning", Json::opt(d.matched, |r| Json::str(r.meaning))),
-                ])
+            .map(|p| {
+                let counters = p
+                    .counters
+                    .iter()
+                    .filter(|(n, _)| !matches!(n.as_str(), "version" | "live_mrs" | "live_bytes"));
+                let peer = PeerJson {
+                    version: ok(&p.version),
+                    counters: fields(counters),
+                    live_mrs: p.live_mrs(),
+                    live_bytes: p.live_bytes(),
+                };
+                (p.name.as_str(), peer)
+            })
+            .collect()),
+        detection: s
+            .detection
+            .iter()
+            .map(|d| DetectionJson {
+                stack: d.stack,
+                enabled: d.matched.is_some(),
+                path: d.matched.map(|r| r.path),
+                meaning: d.matched.map(|r| r.meaning),
             })
             .collect(),
-    );
-    let b = &s.dmabuf;
-    let dmabuf = Json::obj([
-        ("nvidia_loaded", Json::Bool(b.nvidia_loaded)),
-        ("nvidia_version", text(b.nvidia_version.as_ref())),
-        ("kernel", text(b.kernel.as_ref())),
-        ("driver_ok", Json::opt(b.driver_ok, Json::Bool)),
-        ("kernel_ok", Json::opt(b.kernel_ok, Json::Bool)),
-        ("note", Json::str(detect::DMABUF.note)),
-    ]);
-    Json::obj([
-        ("module", module),
-        ("stats", stats),
-        ("stats_error", stats_error),
-        ("peers", peers),
-        ("detection", detection),
-        ("dmabuf", dmabuf),
-        ("rates", Json::opt(rates, Rates::json)),
-        (
-            "errors",
-            Json::Arr(s.errors().into_iter().map(Json::Str).collect()),
-        ),
-    ])
+        dmabuf: DmaBufJson {
+            nvidia_loaded: b.nvidia_loaded,
+            nvidia_version: ok(&b.nvidia_version),
+            kernel: ok(&b.kernel),
+            driver_ok: b.driver_ok,
+            kernel_ok: b.kernel_ok,
+            note: detect::DMABUF.note,
+        },
+        rates,
+        errors: s.errors(),
+    }
 }

@@ -51,6 +51,15 @@ impl Sys {
         self.path(abs).exists()
     }
 
+    /// A path given by the user: an absolute one under the root, a relative
+    /// one as it is.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        match p.strip_prefix("/") {
+            Ok(rel) => self.root.join(rel),
+            Err(_) => p.to_path_buf(),
+        }
+    }
+
     pub(crate) fn read(path: &Path) -> io::Result<String> {
         let mut buf = Vec::new();
         fs::File::open(path)?.take(MAX_FILE).read_to_end(&mut buf)?;

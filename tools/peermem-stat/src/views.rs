@@ -5,9 +5,10 @@
 
 use std::fmt::Write;
 
+use serde::{ser::SerializeMap, Serialize, Serializer};
+
 use crate::{
     diag::{self, pci_key, GpuRec, PathRec, ProcRec, Records, Table, GPUS, PATHS, PROCESSES},
-    json::Json,
     sysfs::Snapshot,
 };
 
@@ -34,7 +35,7 @@ pub fn cell(p: &PathRec) -> String {
     if p.acs_redirect {
         c.push_str("+A");
     }
-    if p.translated() {
+    if p.iommu_translated {
         c.push_str("+I");
     }
     c
@@ -287,80 +288,54 @@ fn write_table<T>(
     unreadable(o, file, &r.errors)
 }
 
-/// `{"<key>": [records] | null, "<key>_error": why | null, "errors": [...]}`.
-fn json_table<T>(key: &str, t: &Table<T>, f: impl Fn(&T) -> Json) -> Json {
-    let (records, error, errors) = match t {
-        Ok(r) => (
-            Json::Arr(r.records.iter().map(f).collect()),
-            Json::Null,
-            r.errors.iter().cloned().map(Json::Str).collect(),
-        ),
-        Err(why) => (Json::Null, Json::str(why.as_str()), Vec::new()),
-    };
-    Json::obj([
-        (key.to_string(), records),
-        (format!("{key}_error"), error),
-        ("errors".into(), Json::Arr(errors)),
-    ])
+/// A view as JSON: `{"<key>": [records] | null, "<key>_error": why | null,
+/// "errors": [...]}`, for paths after `"path_policy"`.
+pub struct ViewJson<'a, T> {
+    key: &'static str,
+    table: &'a Table<T>,
+    path_policy: Option<Option<u64>>,
 }
 
-/// One pair as JSON.
-pub fn path_json(p: &PathRec) -> Json {
-    Json::obj([
-        ("gpu", Json::str(p.gpu.as_str())),
-        ("hca", Json::str(p.hca.as_str())),
-        ("class", Json::str(p.class.as_str())),
-        ("acs_redirect", Json::Bool(p.acs_redirect)),
-        ("iommu", Json::str(p.iommu.as_str())),
-        ("iommu_translated", Json::Bool(p.translated())),
-        ("registrations", Json::Num(p.registrations)),
-        (
-            "failures",
-            Json::obj(p.failures.iter().map(|(e, n)| (e.as_str(), Json::Num(*n)))),
-        ),
-        (
-            "last_failure",
-            Json::opt(p.last_failure.as_deref(), Json::str),
-        ),
-        ("policy_refusals", Json::Num(p.policy_refusals)),
-    ])
+impl<T: Serialize> Serialize for ViewJson<'_, T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(None)?;
+        if let Some(p) = &self.path_policy {
+            m.serialize_entry("path_policy", p)?;
+        }
+        let (records, error, errors) = match self.table {
+            Ok(r) => (Some(&r.records), None, &r.errors[..]),
+            Err(why) => (None, Some(why), &[][..]),
+        };
+        m.serialize_entry(self.key, &records)?;
+        m.serialize_entry(&format!("{}_error", self.key), &error)?;
+        m.serialize_entry("errors", errors)?;
+        m.end()
+    }
 }
 
 /// `paths --json`: the pairs, plus the module's path policy.
-pub fn paths_json(s: &Snapshot) -> Json {
-    let Json::Obj(mut fields) = json_table("paths", &s.diag.paths, path_json) else {
-        unreachable!("json_table returns an object")
-    };
-    fields.insert(
-        0,
-        (
-            "path_policy".into(),
-            Json::opt(diag::path_policy(&s.module), Json::Num),
-        ),
-    );
-    Json::Obj(fields)
+pub fn paths_json(s: &Snapshot) -> ViewJson<'_, PathRec> {
+    ViewJson {
+        key: "paths",
+        table: &s.diag.paths,
+        path_policy: Some(diag::path_policy(&s.module)),
+    }
 }
 
 /// `--by-gpu --json`.
-pub fn by_gpu_json(s: &Snapshot) -> Json {
-    json_table("gpus", &s.diag.gpus, |g| {
-        Json::obj([
-            ("gpu", Json::str(g.gpu.as_str())),
-            ("live", Json::Num(g.live)),
-            ("pinned_bytes", Json::Num(g.pinned_bytes)),
-            ("max_pinned_bytes", Json::Num(g.max_pinned_bytes)),
-        ])
-    })
+pub fn by_gpu_json(s: &Snapshot) -> ViewJson<'_, GpuRec> {
+    ViewJson {
+        key: "gpus",
+        table: &s.diag.gpus,
+        path_policy: None,
+    }
 }
 
 /// `--by-process --json`.
-pub fn by_process_json(s: &Snapshot) -> Json {
-    json_table("processes", &s.diag.processes, |p| {
-        Json::obj([
-            ("tgid", Json::Num(p.tgid)),
-            ("comm", Json::str(p.comm.as_str())),
-            ("live", Json::Num(p.live)),
-            ("pinned_bytes", Json::Num(p.pinned_bytes)),
-        ])
-    })
+pub fn by_process_json(s: &Snapshot) -> ViewJson<'_, ProcRec> {
+    ViewJson {
+        key: "processes",
+        table: &s.diag.processes,
+        path_policy: None,
+    }
 }

@@ -14,6 +14,7 @@ use peermem_stat::{
     render::Rates,
     sysfs::{Snapshot, Sys},
 };
+use prometheus_parse::{Scrape, Value as PromValue};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_peermem-stat");
@@ -901,134 +902,75 @@ fn by_gpu_and_by_process_tables() {
     assert_eq!(text.matches("HCA Legend:").count(), 2);
 }
 
-/// A sample: (metric name, labels unescaped, value).
-type Sample = (String, Vec<(String, String)>, u64);
-
-/// One sample line of the text format 0.0.4: (name, labels unescaped,
-/// value). Accepts exactly what this regex does (the test has no regex
-/// crate):
-/// `^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*"(,[a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*")*\})? [0-9]+$`
-fn sample(line: &str) -> Option<Sample> {
-    fn ident(s: &str, colon: bool) -> usize {
-        s.char_indices()
-            .take_while(|&(i, c)| {
-                c == '_'
-                    || (colon && c == ':')
-                    || c.is_ascii_alphabetic()
-                    || (i > 0 && c.is_ascii_digit())
-            })
-            .count()
-    }
-    let n = ident(line, true);
-    if n == 0 {
-        return None;
-    }
-    let (name, mut rest) = line.split_at(n);
-    let mut labels = Vec::new();
-    if let Some(r) = rest.strip_prefix('{') {
-        rest = r;
-        loop {
-            let k = ident(rest, false);
-            if k == 0 {
-                return None;
-            }
-            let key = &rest[..k];
-            let mut chars = rest[k..].strip_prefix("=\"")?.chars();
-            let mut value = String::new();
-            loop {
-                match chars.next()? {
-                    '"' => break,
-                    '\n' => return None,
-                    '\\' => value.push(match chars.next()? {
-                        '\\' => '\\',
-                        '"' => '"',
-                        'n' => '\n',
-                        _ => return None,
-                    }),
-                    c => value.push(c),
-                }
-            }
-            labels.push((key.to_string(), value));
-            rest = chars.as_str();
-            if let Some(r) = rest.strip_prefix(',') {
-                rest = r;
-            } else {
-                rest = rest.strip_prefix('}')?;
-                break;
-            }
-        }
-    }
-    let v = rest.strip_prefix(' ')?;
-    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((name.to_string(), labels, v.parse().ok()?))
-}
-
-/// Validates a whole exposition: every line a HELP, TYPE or sample; each
-/// family's HELP then TYPE once, before its samples, which are contiguous;
-/// no repeated series. Returns the samples.
-fn exposition(text: &str) -> Vec<Sample> {
+/// Reads an exposition back with prometheus-parse (a parser this tool did
+/// not write) and checks the conventions: every family once with HELP and
+/// TYPE, counters and only counters named `_total`, the base unit last
+/// (`_bytes`, `_bytes_total`), no series twice.
+fn exposition(text: &str) -> Scrape {
     assert!(text.ends_with('\n'));
-    let mut families: Vec<String> = Vec::new();
-    let mut help: Option<String> = None;
-    let mut current: Option<(String, String)> = None;
-    let mut samples = Vec::new();
-    for line in text.lines() {
-        if let Some(r) = line.strip_prefix("# HELP ") {
-            let (name, doc) = r.split_once(' ').expect(line);
-            assert!(
-                !doc.is_empty() && !families.contains(&name.to_string()),
-                "{line}"
-            );
-            assert!(help.is_none(), "HELP without TYPE before {line}");
-            help = Some(name.to_string());
-            continue;
-        }
-        if let Some(r) = line.strip_prefix("# TYPE ") {
-            let (name, kind) = r.split_once(' ').expect(line);
-            assert_eq!(
-                help.take().as_deref(),
-                Some(name),
-                "TYPE without HELP: {line}"
-            );
-            assert!(["counter", "gauge", "untyped"].contains(&kind), "{line}");
-            if kind == "counter" {
-                assert!(name.ends_with("_total"), "{line}");
-            }
-            families.push(name.to_string());
-            current = Some((name.to_string(), kind.to_string()));
-            continue;
-        }
-        let s = sample(line).unwrap_or_else(|| panic!("not a sample line: {line:?}"));
-        let (family, _) = current
-            .as_ref()
-            .unwrap_or_else(|| panic!("no TYPE before {line}"));
-        assert_eq!(&s.0, family, "sample outside its family: {line}");
-        assert!(help.is_none(), "{line}");
-        assert!(s.0.starts_with("nvidia_peermem_"), "{line}");
-        assert!(
-            !samples.iter().any(|o: &Sample| o.0 == s.0 && o.1 == s.1),
-            "repeated series {line}"
-        );
-        samples.push(s);
+    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+    // The parser skips lines it cannot read: each sample line must be one.
+    let lines = text.lines().filter(|l| !l.starts_with('#')).count();
+    assert_eq!(scrape.samples.len(), lines, "unparsed lines in\n{text}");
+    let types: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .collect();
+    for (i, t) in types.iter().enumerate() {
+        assert!(!types[..i].contains(t), "TYPE twice: {t}");
     }
-    assert!(help.is_none());
-    samples
+    for (i, s) in scrape.samples.iter().enumerate() {
+        let name = s.metric.as_str();
+        assert!(name.starts_with("nvidia_peermem_"), "{name}");
+        assert!(scrape.docs.contains_key(name), "no HELP for {name}");
+        let (kind, _) = value(s);
+        assert!(
+            types.contains(&format!("{name} {kind}").as_str()),
+            "{name} {kind}"
+        );
+        assert_eq!(
+            kind == "counter",
+            name.ends_with("_total"),
+            "{name} is a {kind}"
+        );
+        if name.contains("bytes") {
+            assert!(
+                name.ends_with("_bytes") || name.ends_with("_bytes_total"),
+                "{name}"
+            );
+        }
+        assert!(
+            !scrape.samples[..i]
+                .iter()
+                .any(|o| o.metric == s.metric && o.labels == s.labels),
+            "series twice: {name} {:?}",
+            s.labels
+        );
+    }
+    scrape
 }
 
-/// The value of a series.
-fn series(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<u64> {
-    samples
+/// A sample's type and value.
+fn value(s: &prometheus_parse::Sample) -> (&'static str, f64) {
+    match s.value {
+        PromValue::Counter(v) => ("counter", v),
+        PromValue::Gauge(v) => ("gauge", v),
+        PromValue::Untyped(v) => ("untyped", v),
+        _ => panic!("{} is a histogram or summary", s.metric),
+    }
+}
+
+/// The (type, value) of a series; label values as written (this parser
+/// does not undo their escapes).
+fn series(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<(&'static str, f64)> {
+    s.samples
         .iter()
-        .find(|(n, l, _)| {
-            n == name
-                && l.len() == labels.len()
-                && l.iter()
-                    .zip(labels)
-                    .all(|((k, v), (ek, ev))| k == ek && v == ev)
+        .find(|x| {
+            x.metric == name
+                && x.labels.len() == labels.len()
+                && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v))
         })
-        .map(|s| s.2)
+        .map(value)
 }
 
 #[test]
@@ -1040,104 +982,105 @@ fn prometheus_exposition() {
     let get = |n: &str, l: &[(&str, &str)]| {
         series(&s, n, l).unwrap_or_else(|| panic!("{n} {l:?}:\n{out}"))
     };
-    assert_eq!(get("nvidia_peermem_up", &[]), 1);
-    assert_eq!(get("nvidia_peermem_registrations_total", &[]), 11);
-    assert_eq!(get("nvidia_peermem_live_registrations", &[]), 3);
-    assert_eq!(get("nvidia_peermem_pinned_bytes", &[]), 196608);
-    assert_eq!(
-        get("nvidia_peermem_failures_total", &[("cause", "dma_map")]),
-        5
+    let gauge = |n: &str, l: &[(&str, &str)], v: f64| assert_eq!(get(n, l), ("gauge", v), "{n}");
+    let counter =
+        |n: &str, l: &[(&str, &str)], v: f64| assert_eq!(get(n, l), ("counter", v), "{n}");
+    gauge("nvidia_peermem_up", &[], 1.0);
+    gauge(
+        "nvidia_peermem_info",
+        &[("version", "0.1.0"), ("implementation", "peermem-rs")],
+        1.0,
     );
-    assert_eq!(
-        get("nvidia_peermem_failures_total", &[("cause", "path_policy")]),
-        9
-    );
-    assert_eq!(get("nvidia_peermem_failures_total", &[("cause", "pin")]), 0);
-    assert_eq!(get("nvidia_peermem_param_path_policy", &[]), 3);
-    assert_eq!(
-        get("nvidia_peermem_peer_live_mrs", &[("client", "nv_mem")]),
-        3
-    );
+    counter("nvidia_peermem_registrations_total", &[], 11.0);
+    counter("nvidia_peermem_sg_entries_total", &[], 40.0);
+    gauge("nvidia_peermem_live_registrations", &[], 3.0);
+    gauge("nvidia_peermem_pinned_bytes", &[], 196608.0);
+    let cause = |c| [("cause", c)];
+    counter("nvidia_peermem_failures_total", &cause("dma_map"), 5.0);
+    counter("nvidia_peermem_failures_total", &cause("path_policy"), 9.0);
+    counter("nvidia_peermem_failures_total", &cause("pin"), 0.0);
+    gauge("nvidia_peermem_param_path_policy", &[], 3.0);
+    gauge("nvidia_peermem_param_persistent_api_support", &[], 0.0);
+    let nv_mem = [("client", "nv_mem")];
+    gauge("nvidia_peermem_peer_live_mrs", &nv_mem, 3.0);
+    gauge("nvidia_peermem_peer_live_bytes", &nv_mem, 196608.0);
+    counter("nvidia_peermem_peer_reg_bytes_total", &nv_mem, 1048576.0);
+    counter("nvidia_peermem_peer_free_callbacks_total", &nv_mem, 2.0);
     let pair = [("gpu", "0000:00:03.0"), ("hca", "0000:82:00.0")];
-    assert_eq!(
-        get(
-            "nvidia_peermem_path_registrations_total",
-            &[pair[0], pair[1], ("class", "SYS")]
-        ),
-        0
+    let sys = [pair[0], pair[1], ("class", "SYS")];
+    counter("nvidia_peermem_path_registrations_total", &sys, 0.0);
+    counter("nvidia_peermem_path_policy_refusals_total", &sys, 9.0);
+    let errno = |e| [pair[0], pair[1], ("errno", e)];
+    counter(
+        "nvidia_peermem_path_failures_total",
+        &errno("EREMOTEIO"),
+        4.0,
     );
-    assert_eq!(
-        get(
-            "nvidia_peermem_path_policy_refusals_total",
-            &[pair[0], pair[1], ("class", "SYS")]
-        ),
-        9
+    counter(
+        "nvidia_peermem_path_failures_total",
+        &[
+            ("gpu", "0000:00:03.0"),
+            ("hca", "0000:00:02.0"),
+            ("errno", "ENOMEM"),
+        ],
+        2.0,
     );
-    assert_eq!(
-        get(
-            "nvidia_peermem_path_failures_total",
-            &[pair[0], pair[1], ("errno", "EREMOTEIO")]
-        ),
-        4
+    gauge(
+        "nvidia_peermem_path_info",
+        &[
+            sys[0],
+            sys[1],
+            sys[2],
+            ("acs_redirect", "1"),
+            ("iommu", "dma"),
+        ],
+        1.0,
     );
-    assert_eq!(
-        get(
-            "nvidia_peermem_path_failures_total",
-            &[
-                ("gpu", "0000:00:03.0"),
-                ("hca", "0000:00:02.0"),
-                ("errno", "ENOMEM")
-            ]
-        ),
-        2
-    );
-    assert_eq!(
-        get(
-            "nvidia_peermem_path_info",
-            &[
-                pair[0],
-                pair[1],
-                ("class", "SYS"),
-                ("acs_redirect", "1"),
-                ("iommu", "dma")
-            ]
-        ),
-        1
-    );
-    assert_eq!(
-        s.iter()
-            .filter(|x| x.0 == "nvidia_peermem_path_info")
-            .count(),
-        4
-    );
+    let infos = s
+        .samples
+        .iter()
+        .filter(|x| x.metric == "nvidia_peermem_path_info");
+    assert_eq!(infos.count(), 4);
     let gpu = [("gpu", "0000:81:00.0")];
-    assert_eq!(get("nvidia_peermem_gpu_pinned_bytes", &gpu), 65536);
-    assert_eq!(get("nvidia_peermem_gpu_pinned_bytes_max", &gpu), 1048576);
-    assert_eq!(get("nvidia_peermem_gpu_live_registrations", &gpu), 1);
-    // The quote and the backslash of a comm, escaped and read back.
-    let who = [("tgid", "77"), ("comm", "say\"hi\\")];
-    assert_eq!(get("nvidia_peermem_process_pinned_bytes", &who), 131072);
-    assert_eq!(get("nvidia_peermem_process_live_registrations", &who), 2);
+    gauge("nvidia_peermem_gpu_pinned_bytes", &gpu, 65536.0);
+    gauge("nvidia_peermem_gpu_max_pinned_bytes", &gpu, 1048576.0);
+    gauge("nvidia_peermem_gpu_live_registrations", &gpu, 1.0);
+    // The quote and the backslash of a comm, escaped.
+    let who = [("tgid", "77"), ("comm", r#"say\"hi\\"#)];
+    gauge("nvidia_peermem_process_pinned_bytes", &who, 131072.0);
+    gauge("nvidia_peermem_process_live_registrations", &who, 2.0);
     assert!(
         out.contains("{tgid=\"77\",comm=\"say\\\"hi\\\\\"} 2\n"),
         "{out}"
     );
-    assert_eq!(get("nvidia_peermem_read_errors", &[]), 0);
+    gauge("nvidia_peermem_read_errors", &[], 0.0);
+    // What the end-to-end test looks for, as it looks for it.
+    assert!(out
+        .lines()
+        .any(|l| l == "nvidia_peermem_gpu_live_registrations{gpu=\"0000:81:00.0\"} 1"));
+    assert!(out.lines().any(|l| l == "nvidia_peermem_up 1"));
+
+    // A counter of a newer module: untyped, under its own name.
+    t.file(
+        &format!("{DBG}/stats"),
+        format!("{STATS}fail_path_policy 9\nparam_path_policy 3\nnew_thing 4\n"),
+    );
+    let (_, out, _) = t.run(&["--prometheus"]);
+    let s = exposition(&out);
+    assert_eq!(
+        series(&s, "nvidia_peermem_new_thing", &[]),
+        Some(("untyped", 4.0))
+    );
 
     // Older module: no path families, the files marked unreadable.
     let t = Tree::ours("prom-old");
     let (code, out, _) = t.run(&["--prometheus"]);
     assert_eq!(code, 0);
     let s = exposition(&out);
-    assert_eq!(series(&s, "nvidia_peermem_up", &[]), Some(1));
-    assert_eq!(
-        series(&s, "nvidia_peermem_debugfs_readable", &[("file", "paths")]),
-        Some(0)
-    );
-    assert_eq!(
-        series(&s, "nvidia_peermem_debugfs_readable", &[("file", "stats")]),
-        Some(1)
-    );
+    assert_eq!(series(&s, "nvidia_peermem_up", &[]), Some(("gauge", 1.0)));
+    let readable = |f| series(&s, "nvidia_peermem_debugfs_readable", &[("file", f)]);
+    assert_eq!(readable("paths"), Some(("gauge", 0.0)));
+    assert_eq!(readable("stats"), Some(("gauge", 1.0)));
     assert!(!out.contains("nvidia_peermem_path_") && !out.contains("nvidia_peermem_gpu_"));
 
     // Nothing loaded: still an exposition, up 0, exit 0 (a cron job keeps
@@ -1151,34 +1094,255 @@ fn prometheus_exposition() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(
         series(&exposition(&text), "nvidia_peermem_up", &[]),
-        Some(0)
+        Some(("gauge", 0.0))
+    );
+}
+
+// doctor: one fixture tree per finding.
+
+/// `doctor` under `t`: (exit status, stdout lines, stderr).
+fn doctor(t: &Tree, args: &[&str]) -> (i32, Vec<String>, String) {
+    let mut all = vec!["doctor"];
+    all.extend(args);
+    let (code, out, err) = t.run(&all);
+    (code, out.lines().map(str::to_string).collect(), err)
+}
+
+/// The finding ids of a doctor run that found something.
+fn findings(t: &Tree, args: &[&str]) -> Vec<String> {
+    let (code, lines, _) = doctor(t, args);
+    assert_eq!(code, 3, "{lines:?}");
+    lines
+        .iter()
+        .map(|l| {
+            assert!(l.contains(". Fix: "), "{l}");
+            l.split(':').next().unwrap().to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn doctor_ok() {
+    let t = Tree::ours("doctor-ok");
+    t.file(
+        &format!("{DBG}/processes"),
+        "tgid=8 comm=nccl live=1 pinned_bytes=65536\n",
+    );
+    assert_eq!(doctor(&t, &[]), (0, vec!["ok".to_string()], String::new()));
+    let (code, out, _) = t.run(&["doctor", "--json"]);
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({"ok": true, "findings": [], "not_checked": []})
+    );
+    // A core without memory_peers (no sysfs): this module registers at
+    // load or does not load, so nothing is missing.
+    fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers")).unwrap();
+    assert_eq!(doctor(&t, &[]).0, 0);
+    // Debugfs not mounted: ok as far as it can tell, and it says so.
+    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
+    let (code, lines, err) = doctor(&t, &[]);
+    assert_eq!((code, lines), (0, vec!["ok".to_string()]));
+    assert!(
+        err.contains("not checked: counters: debugfs is not mounted"),
+        "{err}"
+    );
+    assert!(
+        err.contains("not checked: client registration: no /sys/kernel/mm/memory_peers"),
+        "{err}"
     );
 }
 
 #[test]
-fn prometheus_validator_rejects_bad_lines() {
-    for bad in [
-        "1x 1",
-        "a{b=\"c} 1",
-        "a{b=\"c\\x\"} 1",
-        "a{=\"c\"} 1",
-        "a{b=\"c\"} x",
-        "a{b=\"c\"}  1",
-        "a{b=\"c\",} 1",
-        "a 1 2",
-        "a",
-    ] {
-        assert!(sample(bad).is_none(), "{bad}");
-    }
-    assert_eq!(
-        sample("a_b:c{k=\"x\\\"y\\\\z\\n\",l=\"\"} 7"),
-        Some((
-            "a_b:c".into(),
-            vec![
-                ("k".into(), "x\"y\\z\n".into()),
-                ("l".into(), String::new())
-            ],
-            7
-        ))
+fn doctor_peer_memory_core_absent() {
+    let t = Tree::new("doctor-core");
+    t.file(
+        "/dev/kmsg",
+        "6,500,100,-;ib_core: loaded\n\
+         4,501,200,-;nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -2)\n\
+         4,502,201,-;nvidia_peermem: Unknown symbol ib_unregister_peer_memory_client (err -2)\n",
     );
+    let (code, lines, err) = doctor(&t, &[]);
+    assert_eq!((code, err.as_str()), (3, ""));
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with(
+        "peer-memory-core-absent: nvidia_peermem failed to load (Unknown symbol \
+         ib_register_peer_memory_client, ib_unregister_peer_memory_client) and there is no \
+         /sys/kernel/mm/memory_peers"
+    ));
+    assert!(lines[0].contains("Fix: install MLNX_OFED or DOCA-OFED"));
+    // A core with clients now: the failure came before it was loaded.
+    peer(&t, "other_client", 0, 0, 0, 0);
+    let (_, lines, _) = doctor(&t, &[]);
+    assert_eq!(lines.len(), 1);
+    assert!(
+        lines[0].starts_with("not-loaded: nvidia_peermem is not loaded")
+            && lines[0].contains("before the peer-memory core"),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn doctor_symbol_version_mismatch() {
+    let t = Tree::new("doctor-crc");
+    // A saved dmesg, given by --log (an absolute path is under --root).
+    let log = "[   10.1] nvidia_peermem: disagrees about version of symbol ib_register_peer_memory_client\n\
+               [   10.2] nvidia_peermem: disagrees about version of symbol nvidia_p2p_get_pages\n\
+               [   10.3] nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -22)\n";
+    t.file("/var/log/kern.log", log);
+    t.dir("/sys/kernel/mm/memory_peers/nvme_peer");
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/kern.log"]),
+        ["symbol-version-mismatch"]
+    );
+    let (_, lines, _) = doctor(&t, &["--log", "/var/log/kern.log"]);
+    assert!(lines[0].contains(
+        "disagrees about version of symbol ib_register_peer_memory_client, nvidia_p2p_get_pages"
+    ));
+    assert!(lines[0].contains("Fix: rebuild it: dkms autoinstall"));
+    // Loaded successfully since: only "not loaded" now.
+    t.file(
+        "/var/log/kern.log",
+        format!("{log}[   20.0] nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"),
+    );
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/kern.log"]),
+        ["not-loaded"]
+    );
+    // Other unknown symbols: the GPU driver, or another build.
+    t.file(
+        "/dev/kmsg",
+        "3,1,1,-;nvidia_peermem: Unknown symbol nvidia_p2p_get_pages (err -2)\n\
+         3,2,2,-;nvidia_peermem: Unknown symbol _RNvNtCs1_6kernel5print11call_printk (err -2)\n",
+    );
+    assert_eq!(findings(&t, &[]), ["gpu-driver-absent", "unknown-symbol"]);
+}
+
+#[test]
+fn doctor_not_loaded_without_a_log() {
+    let t = Tree::new("doctor-nolog");
+    let (code, lines, err) = doctor(&t, &[]);
+    assert_eq!(code, 3);
+    assert_eq!(lines.len(), 1);
+    assert!(lines[0]
+        .starts_with("not-loaded: nvidia_peermem is not loaded (no /sys/module/nvidia_peermem)"));
+    assert!(
+        err.contains("not checked: kernel log: ")
+            && err.contains("(needs root, or give --log FILE)"),
+        "{err}"
+    );
+    let (code, out, _) = t.run(&["doctor", "--json"]);
+    assert_eq!(code, 3);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["findings"][0]["id"], "not-loaded");
+    assert!(v["findings"][0]["fix"]
+        .as_str()
+        .unwrap()
+        .starts_with("modprobe nvidia_peermem"));
+    assert_eq!(v["not_checked"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn doctor_client_not_registered() {
+    // NVIDIA's module, loaded, registered nothing (built without OFED).
+    let c = Tree::new("doctor-noclient");
+    c.file(MODULE, "580.65.06\n").dir("/sys/kernel/debug/dri");
+    let (code, lines, err) = doctor(&c, &[]);
+    assert_eq!(code, 3);
+    assert_eq!(lines.len(), 1);
+    assert!(lines[0].starts_with(
+        "client-not-registered: nvidia_peermem is loaded but its peer-memory client is not \
+         registered (no /sys/kernel/mm/memory_peers/nv_mem)"
+    ));
+    assert!(lines[0].contains("GPU Direct RDMA Disabled"));
+    assert!(err.contains("not checked: counters: no /sys/kernel/debug/nvidia_peermem/stats"));
+    // The core lists other clients, not nv_mem: whatever the module.
+    let t = Tree::ours("doctor-noclient-ours");
+    fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers/nv_mem")).unwrap();
+    assert_eq!(findings(&t, &[]), ["client-not-registered"]);
+}
+
+#[test]
+fn doctor_paths_refused() {
+    let t = with_diag("doctor-policy");
+    let (code, lines, _) = doctor(&t, &[]);
+    assert_eq!(code, 3);
+    assert_eq!(
+        lines,
+        [
+            "path-policy-refusals: 9 registrations refused by the path policy (path_policy=3: \
+          refuse paths worse than PHB): GPU 0000:00:03.0 - HCA 0000:82:00.0 (SYS) 9. Fix: put the \
+          HCA behind the GPU's PCIe switch (peermem-stat paths shows each pair's class), or load \
+          nvidia_peermem with a larger path_policy (0 allows every path)"
+        ]
+    );
+    // The counter alone (a module without path diagnostics) is enough; so
+    // is the GPU driver's topology gate.
+    let t = Tree::ours("doctor-policy-stats");
+    t.file(
+        &format!("{DBG}/stats"),
+        format!("{STATS}fail_path_policy 2\nfail_topology 1\n"),
+    );
+    assert_eq!(
+        findings(&t, &[]),
+        ["path-policy-refusals", "topology-refusals"]
+    );
+    assert!(doctor(&t, &[]).1[0]
+        .starts_with("path-policy-refusals: 2 registrations refused by the path policy. Fix:"));
+}
+
+#[test]
+fn doctor_pins_after_exit() {
+    let t = Tree::ours("doctor-pins");
+    t.file(
+        &format!("{DBG}/stats"),
+        format!("{STATS}orphaned_pins 2\nstranded_pins 1\n"),
+    );
+    let (_, lines, _) = doctor(&t, &[]);
+    assert_eq!(findings(&t, &[]), ["pins-after-exit"]);
+    assert!(
+        lines[0].contains("orphaned_pins=2 stranded_pins=1"),
+        "{lines:?}"
+    );
+    // Only a process that exited with live registrations.
+    t.file(&format!("{DBG}/stats"), STATS).file(
+        &format!("{DBG}/processes"),
+        "tgid=8 comm=nccl live=1 pinned_bytes=65536\ntgid=4242 comm= live=2 pinned_bytes=131072\n",
+    );
+    let (_, lines, _) = doctor(&t, &[]);
+    assert_eq!(findings(&t, &[]), ["pins-after-exit"]);
+    assert!(
+        lines[0]
+            .contains("exited processes with live registrations: tgid 4242 (2 live, 131072 bytes)")
+            && !lines[0].contains("tgid 8 "),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn completions() {
+    let t = Tree::new("completions");
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let (code, out, err) = t.run(&["completions", shell]);
+        assert_eq!((code, err.as_str()), (0, ""), "{shell}");
+        for word in ["doctor", "paths", "by-gpu", "prometheus"] {
+            assert!(out.contains(word), "{shell}: {word}");
+        }
+    }
+    // The bash script is valid bash, where there is one.
+    let (_, script, _) = t.run(&["completions", "bash"]);
+    t.file("/completion.bash", script);
+    if let Ok(out) = Command::new("bash")
+        .arg("-n")
+        .arg(t.at("/completion.bash"))
+        .output()
+    {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
