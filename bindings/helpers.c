@@ -8,6 +8,7 @@
 
 #include <linux/device.h>
 #include <linux/iommu.h>
+#include <linux/moduleparam.h>
 #include <linux/dynamic_debug.h>
 #include <linux/dma-mapping.h>
 #include <linux/pci.h>
@@ -31,11 +32,10 @@ struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
 bool peermem_reap_kick(struct workqueue_struct *wq);
 struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
-struct scatterlist *peermem_sg_chunk_alloc(unsigned int nents);
 void peermem_reap_run(void);	/* Rust, src/reaper.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
-void peermem_device_unbound(struct device *dev);	/* Rust, src/bar_window.rs */
+void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
 
 /* One bridge above a device, for the path classification in Rust. */
 struct peermem_hop {
@@ -65,17 +65,43 @@ bool peermem_ratelimit(void);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
+int peermem_param(unsigned int which);
 
 /*
- * One chunk of a scatterlist as sg_kmalloc() allocates a chunk of fewer than
- * SG_MAX_SINGLE_ALLOC entries (lib/scatterlist.c), but not zeroed: the caller
- * writes every entry (src/sg.rs, SgTable::coalesced_chunk). Here, and not a
- * direct call of __kmalloc_noprof() from Rust, so that allocation profiling
- * tags it.
+ * The module's parameters, with NVIDIA's names and meanings (560+). Declared
+ * here so that each has its read-only file in
+ * /sys/module/nvidia_peermem/parameters/, as NVIDIA's module does and as
+ * operators and tools read them: Rust module parameters have none on 7.2
+ * and 7.3. src/peermem.rs reads and checks them at load (peermem_param).
  */
-struct scatterlist *peermem_sg_chunk_alloc(unsigned int nents)
+static int persistent_api_support = 1;
+module_param(persistent_api_support, int, 0444);
+MODULE_PARM_DESC(persistent_api_support, "1 [default]: one non-invalidating client nv_mem on persistent pins; 0: nv_mem invalidating on the free callback, plus nv_mem_nc non-invalidating");
+static int peerdirect_support;
+module_param(peerdirect_support, int, 0444);
+MODULE_PARM_DESC(peerdirect_support, "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)");
+static int path_policy;
+module_param(path_policy, int, 0444);
+MODULE_PARM_DESC(path_policy, "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)");
+static int allow_unverified_paths;
+module_param(allow_unverified_paths, int, 0444);
+MODULE_PARM_DESC(allow_unverified_paths, "0 [default]: the invalidating client refuses a GPU-peer pair with no PCIe switch in common when the GPU driver's topology verdict cannot be learnt (persistent pins refused: MIG, vGPU); 1: map for it");
+static int pair_table_slots = 64;
+module_param(pair_table_slots, int, 0444);
+MODULE_PARM_DESC(pair_table_slots, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in debugfs paths; a pair without a slot is classified at each registration");
+static int path_accounting = 1;
+module_param(path_accounting, int, 0444);
+MODULE_PARM_DESC(path_accounting, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
+
+/* The value of parameter @which, in the order of src/params.rs's Param. */
+int peermem_param(unsigned int which)
 {
-	return kmalloc_array(nents, sizeof(struct scatterlist), GFP_KERNEL);
+	const int values[] = {
+		persistent_api_support, peerdirect_support, path_policy,
+		allow_unverified_paths, pair_table_slots, path_accounting,
+	};
+
+	return which < ARRAY_SIZE(values) ? values[which] : -1;
 }
 
 static u32 peermem_pci_id(struct pci_dev *pdev);

@@ -19,21 +19,24 @@
 //! buffer (`DMA_ATTR_REQUIRE_COHERENT`, meant for RDMA): the mapping fails
 //! rather than hand the HCA a copy.
 
-use core::ptr::NonNull;
+use core::{
+    cell::Cell,
+    ptr::NonNull, //
+};
 
 use kernel::{
-    bindings::device,
-    prelude::*, //
+    bindings::{
+        self,
+        device, //
+    },
+    prelude::*,
 };
 
 use crate::{
-    atomics::Relaxed,
-    bar_window::Window,
     coalesce::{
         Runs,
         Segment, //
     },
-    device_map::DeviceMap,
     ffi,
     p2p::PageView,
     peer_device::PeerDevice,
@@ -42,7 +45,6 @@ use crate::{
         SgSlot,
         SgTable, //
     },
-    stats::STATS,
 };
 
 /// The client's DMA mapping of one BAR run for one device, undone on drop.
@@ -118,14 +120,73 @@ impl Drop for RunIova {
     }
 }
 
+/// The client's mapping of a registration's BAR (or coherent) pages.
+///
+/// # Invariants
+///
+/// A `Run` mapping owns the registration's slot, which holds its one entry
+/// from the mapping's construction until it is dropped.
+pub(crate) enum BarMapping {
+    /// One run mapped for the device; `None` once the device lost access
+    /// (the entry stays for the core).
+    Run(Option<RunIova>),
+    /// Several runs.
+    Runs(KBox<BarMap>),
+}
+
+/// The device's access to revoked pages, undone by dropping it (outside any
+/// spinlock).
+pub(crate) enum DeviceAccess {
+    /// One run.
+    Run { _iova: RunIova },
+    /// Several runs.
+    Runs { _iovas: KVec<RunIova> },
+}
+
+impl BarMapping {
+    /// Hands the scatterlist's header to the core; returns its number of
+    /// entries.
+    ///
+    /// # Safety
+    ///
+    /// `head` must point to the core's table for this registration, and
+    /// `slot` be the slot this mapping was built with.
+    pub(crate) unsafe fn publish(&self, slot: &SgSlot, head: *mut bindings::sg_table) -> u32 {
+        match self {
+            // SAFETY: the slot holds this mapping's entry (type invariant);
+            // `head` as promised by the caller.
+            BarMapping::Run(_) => unsafe { slot.publish(head) },
+            BarMapping::Runs(m) => {
+                // SAFETY: as promised by the caller.
+                unsafe { m.sg.publish(head) };
+                m.sg.nents()
+            }
+        }
+    }
+
+    /// After a revoke: the device's mappings, to undo now. The scatterlist
+    /// itself stays until the core unmaps or releases: a core may still read
+    /// it until then. OFED 4.x walks it between `dma_map` and arming the
+    /// invalidation notifier, when a free callback only marks the
+    /// registration and returns (real-driver-behaviour.md, OFED 4.x
+    /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
+    /// uses it after the callback and KASAN reports it if it was freed.
+    pub(crate) fn take_device_access(&mut self) -> Option<DeviceAccess> {
+        match self {
+            BarMapping::Run(r) => r.take().map(|_iova| DeviceAccess::Run { _iova }),
+            // INVARIANT: from here on `sg` is memory only.
+            BarMapping::Runs(m) => m.iovas.take().map(|_iovas| DeviceAccess::Runs { _iovas }),
+        }
+    }
+}
+
 /// The client's mappings of several BAR runs, with their scatterlist (BAR
 /// pages that are not contiguous: rare, so kept in an allocation of its own,
 /// out of every registration's size).
 ///
 /// # Invariants
 ///
-/// While `iovas` is `Some`, every entry of `sg` lies in one of its mappings
-/// or in the pair's window;
+/// While `iovas` is `Some`, every entry of `sg` lies in one of its mappings;
 /// once the device lost access (`iovas` taken), `sg` only holds addresses
 /// that nobody may use any more.
 pub(crate) struct BarMap {
@@ -134,175 +195,74 @@ pub(crate) struct BarMap {
     iovas: Option<KVec<RunIova>>,
 }
 
-/// Maps every page of `pages` for `peer`: one run, with its scatterlist
-/// entry in `slot` (no allocation), or several. Runs inside `window` (the
-/// pair's whole-BAR mapping, for an untranslated peer) take its addresses;
-/// any other is mapped here, coherent memory always.
-///
-/// # Safety
-///
-/// `slot` is the registration's, and no other mapping of it uses the slot
-/// while the returned one lives (see [`SgSlot::fill`] and
-/// [`SgTable::new`]).
-pub(crate) unsafe fn map(
-    pages: &PageView<'_>,
-    peer: &PeerDevice,
-    slot: &SgSlot,
-    window: Option<Window>,
-) -> Result<DeviceMap> {
-    let coherent = pages.coherent();
-    // No BAR, so no window, behind coherent memory.
-    let window = window.filter(|_| !coherent);
-    let n = pages.len();
-    let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
-    if n == 1 {
-        // One page is one run (a page is never longer than a segment may
-        // be): no scan.
-        let run = Segment {
-            addr: pages.physical_address(0).ok_or(EINVAL)?,
-            len: GPU_PAGE_SIZE,
-        };
-        // SAFETY: BAR memory of the caller's pinned table, pinned as said
-        // in `place`; the slot is this mapping's (caller).
-        let (seg, own) = unsafe { place(dev, run, window, coherent) }?;
-        // SAFETY: the slot is this mapping's (caller).
-        return unsafe { one_run(slot, seg, own) };
-    }
-    // One pass: each run is mapped as soon as it is found; a page
-    // without an address fails the whole mapping.
-    let missing = core::cell::Cell::new(false);
-    let addr = |i| {
+/// The runs of `pages` (at most `max_seg` bytes each); `Err` if a page has
+/// no address.
+pub(crate) fn runs<'a>(
+    pages: &'a PageView<'_>,
+    max_seg: u64,
+    missing: &'a Cell<bool>,
+) -> impl Iterator<Item = Result<Segment>> + 'a {
+    let addr = move |i| {
         pages.physical_address(i).unwrap_or_else(|| {
             missing.set(true);
             0
         })
     };
-    let mut first: Option<(Segment, Option<RunIova>)> = None;
-    // Only for a second run: even an empty vector costs a call to the
-    // allocator when dropped.
-    let mut more: Option<(KVec<Segment>, KVec<RunIova>)> = None;
-    let mut in_window = false;
-    for run in Runs::new(n, addr, GPU_PAGE_SIZE, peer.max_segment()) {
+    Runs::new(pages.len(), addr, GPU_PAGE_SIZE, max_seg).map(move |run| {
         if missing.get() {
-            return Err(EINVAL);
+            Err(EINVAL)
+        } else {
+            Ok(run)
         }
-        // SAFETY: BAR memory of the caller's pinned table, every page with
-        // an address (checked above), pinned as said in `place`. On a later
+    })
+}
+
+/// Maps every page of `pages` for `peer`, one mapping per run: one run has
+/// its scatterlist entry in `slot` (no allocation), several an allocated
+/// table. Coherent memory is mapped as memory, BAR pages as MMIO.
+///
+/// # Safety
+///
+/// The pages must stay pinned until the returned mapping is dropped: the
+/// unpin comes after `dma_unmap`/`release` dropped it, and a free callback
+/// drops the device's access before it returns (`take_device_access`).
+/// `peer` must be a device the core keeps alive as long. `slot` is the
+/// registration's, and no other mapping of it uses the slot while the
+/// returned one lives (see [`SgSlot::fill`] and [`SgTable::new`]).
+pub(crate) unsafe fn map(
+    pages: &PageView<'_>,
+    peer: &PeerDevice,
+    slot: &SgSlot,
+) -> Result<BarMapping> {
+    let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
+    let missing = Cell::new(false);
+    let (mut last, mut iovas) = (None, KVec::new());
+    for run in runs(pages, peer.max_segment(), &missing) {
+        // SAFETY: memory of the caller's pinned table, every page with an
+        // address (checked by `runs`), pinned as long (caller). On a later
         // failure the locals drop and unmap what was mapped.
-        let (seg, own) = unsafe { place(dev, run, window, coherent) }?;
-        in_window |= own.is_none();
-        if let Some(f) = first.take() {
-            let mut v = (KVec::new(), KVec::new());
-            push_run(&mut v, f)?;
-            more = Some(v);
-        }
-        match more.as_mut() {
-            Some(v) => push_run(v, (seg, own))?,
-            None => first = Some((seg, own)),
+        let iova = unsafe { RunIova::map(dev, run?, pages.coherent()) }?;
+        if let Some(earlier) = last.replace(iova) {
+            iovas.push(earlier, GFP_KERNEL)?;
         }
     }
-    if missing.get() {
-        return Err(EINVAL);
-    }
-    if let Some((seg, own)) = first {
+    // No page at all: no run.
+    let last = last.ok_or(EINVAL)?;
+    if iovas.is_empty() {
         // SAFETY: the slot is this mapping's (caller).
-        return unsafe { one_run(slot, seg, own) };
+        unsafe { slot.fill(last.segment()) }?;
+        // INVARIANT: the slot's entry is this run's.
+        return Ok(BarMapping::Run(Some(last)));
     }
-    // No page at all.
-    let Some((segs, iovas)) = more else {
-        return Err(EINVAL);
-    };
+    iovas.push(last, GFP_KERNEL)?;
     // SAFETY: as promised by the caller.
-    let sg = unsafe { SgTable::new(slot, segs.len(), segs.iter().copied()) }?;
-    // INVARIANT: the scatterlist was built from exactly these runs, those
-    // outside the window mapped by `iovas`.
-    let map = DeviceMap::Bar(KBox::new(
+    let sg = unsafe { SgTable::new(slot, iovas.len(), iovas.iter().map(RunIova::segment)) }?;
+    // INVARIANT: the scatterlist was built from exactly these runs.
+    Ok(BarMapping::Runs(KBox::new(
         BarMap {
             sg,
             iovas: Some(iovas),
         },
         GFP_KERNEL,
-    )?);
-    if in_window {
-        STATS.window_maps.add(1, Relaxed);
-    }
-    Ok(map)
-}
-
-/// Where the device reaches the GPU bytes `run` (coherent memory if
-/// `coherent`, else BAR memory): inside `window`, or through a mapping of its
-/// own, made here.
-///
-/// # Safety
-///
-/// `run` must be memory of a pinned table, every page with an address,
-/// which stays pinned until the returned mapping is dropped: the unpin comes
-/// after `dma_unmap`/`release` dropped it, and a free callback drops it
-/// before it returns (`take_device_access`). `dev` must be a device the core
-/// keeps alive as long.
-unsafe fn place(
-    dev: NonNull<device>,
-    run: Segment,
-    window: Option<Window>,
-    coherent: bool,
-) -> Result<(Segment, Option<RunIova>)> {
-    if let Some(seg) = window.and_then(|w| w.segment(run)) {
-        return Ok((seg, None));
-    }
-    // SAFETY: as promised by the caller.
-    let iova = unsafe { RunIova::map(dev, run, coherent) }?;
-    Ok((iova.segment(), Some(iova)))
-}
-
-/// The map of a registration that is one run, placed at `seg` (inside the
-/// window without `own`): its entry in `slot`.
-///
-/// # Safety
-///
-/// As for [`map`]: `slot` is the registration's, used by this map only.
-unsafe fn one_run(slot: &SgSlot, seg: Segment, own: Option<RunIova>) -> Result<DeviceMap> {
-    // SAFETY: the slot is this mapping's (caller).
-    unsafe { slot.fill(seg) }?;
-    // INVARIANT: the slot's entry is this run's.
-    Ok(match own {
-        Some(run) => DeviceMap::BarRun(Some(run)),
-        None => {
-            STATS.window_maps.add(1, Relaxed);
-            DeviceMap::Window
-        }
-    })
-}
-
-/// Adds a run, with its own mapping if it has one, to the runs of a
-/// mapping of several.
-fn push_run(
-    (segs, iovas): &mut (KVec<Segment>, KVec<RunIova>),
-    (seg, own): (Segment, Option<RunIova>),
-) -> Result {
-    segs.push(seg, GFP_KERNEL)?;
-    if let Some(o) = own {
-        iovas.push(o, GFP_KERNEL)?;
-    }
-    Ok(())
-}
-
-impl BarMap {
-    /// The device lost access (the core revoked its mkey): the mappings, to
-    /// be undone by dropping them, outside any spinlock.
-    ///
-    /// The scatterlist itself stays until the core unmaps or releases: a core
-    /// may still read it until then. OFED 4.x walks it between `dma_map` and
-    /// arming the invalidation notifier, when a free callback only marks the
-    /// registration and returns (real-driver-behaviour.md, OFED 4.x
-    /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
-    /// uses it after the callback and KASAN reports it if it was freed.
-    pub(crate) fn take_device_access(&mut self) -> Option<KVec<RunIova>> {
-        // INVARIANT: from here on `sg` is memory only.
-        self.iovas.take()
-    }
-
-    /// The scatterlist.
-    pub(crate) fn sg(&self) -> &SgTable {
-        &self.sg
-    }
+    )?))
 }

@@ -2,7 +2,8 @@
 
 //! The peer-memory clients (`nv_mem`, `nv_mem_nc`): the C function tables the
 //! core calls, and their trampolines from raw C arguments to
-//! [`Registration`] and [`Called`](crate::registration::Called) methods and back to errno values.
+//! [`Registration`] methods and back to errno values. Each trampoline is
+//! built for its client's mode (`INV`: the invalidating client).
 
 use core::ptr::NonNull;
 
@@ -17,18 +18,17 @@ use kernel::{
     prelude::*, //
 };
 
+use kernel::sync::atomic::Relaxed;
+
 use crate::{
-    access::{
-        Access,
-        Claimed,
-        Locked, //
+    core_link::{
+        CoreLink,
+        INVALIDATING, //
     },
-    atomics::Relaxed,
-    core_link::CoreLink,
     ffi,
-    reg_ref::RegRef,
     registration::{
         Mode,
+        RegRef,
         Registration, //
     },
     stats::STATS,
@@ -53,46 +53,31 @@ const fn c_array<const N: usize>(s: &str, marker: u8) -> [c_char; N] {
 
 /// A client table handed to the core; it keeps the pointer until unregister.
 #[repr(transparent)]
-pub(crate) struct ClientTable(ffi::peer_memory_client_ex);
+pub(crate) struct ClientTable(pub(crate) ffi::peer_memory_client_ex);
 
 // SAFETY: the table is immutable after build time.
 unsafe impl Sync for ClientTable {}
 
 const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
+    macro_rules! of_mode {
+        ($f:ident) => {
+            Some(if invalidating {
+                $f::<true>
+            } else {
+                $f::<false>
+            })
+        };
+    }
     let client = ffi::peer_memory_client {
         name: c_array(name, 0),
         version: c_array(VERSION, extended as u8),
-        acquire: Some(if invalidating {
-            acquire::<true>
-        } else {
-            acquire::<false>
-        }),
-        get_pages: Some(if invalidating {
-            get_pages::<Locked>
-        } else {
-            get_pages::<Claimed>
-        }),
-        dma_map: Some(if invalidating {
-            dma_map::<Locked>
-        } else {
-            dma_map::<Claimed>
-        }),
-        dma_unmap: Some(if invalidating {
-            dma_unmap::<Locked>
-        } else {
-            dma_unmap::<Claimed>
-        }),
-        put_pages: Some(if invalidating {
-            put_pages::<Locked>
-        } else {
-            put_pages::<Claimed>
-        }),
+        acquire: of_mode!(acquire),
+        get_pages: of_mode!(get_pages),
+        dma_map: of_mode!(dma_map),
+        dma_unmap: of_mode!(dma_unmap),
+        put_pages: of_mode!(put_pages),
         get_page_size: Some(get_page_size),
-        release: Some(if invalidating {
-            release::<Locked>
-        } else {
-            release::<Claimed>
-        }),
+        release: of_mode!(release),
     };
     ClientTable(ffi::peer_memory_client_ex {
         client,
@@ -115,9 +100,6 @@ pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table("nv_mem", true
 pub(crate) static NV_MEM_PERSISTENT: ClientTable = table("nv_mem", false, false);
 /// `nv_mem_nc`: persistent pages, usable for CQ/QP umems too.
 pub(crate) static NV_MEM_NC: ClientTable = table("nv_mem_nc", false, false);
-
-/// The invalidate hook of the (one) invalidating client.
-pub(crate) static INVALIDATING_LINK: CoreLink = CoreLink::new();
 
 /// A client registered with the core; unregisters on drop, which blocks until
 /// the core released every registration made through it.
@@ -166,41 +148,38 @@ impl Drop for CoreRegistration {
     }
 }
 
-/// The registration behind `ctx`, and whether client `A` enters it its
-/// own way: if not, another client's `acquire` made it, and the caller
-/// serves the call as that client would (a registration is always entered
-/// the way of its own mode).
+/// The registration behind `ctx`, as the client `INV` was called for it.
 ///
 /// OFED's core calls a registration only through the client whose `acquire`
 /// made it: it keeps that client with the umem (real-driver-behaviour.md,
 /// facts 11 to 14). This is checked rather than trusted, as the C module's
 /// shared context tolerates a core that mixes the two: one compare of the
-/// registration's mode per call. The `crossed_clients` scenario runs a core
-/// that mixes them.
+/// registration's mode per call; a crossed call is served as the
+/// registration's own client would (its methods follow its mode), counted in
+/// `crossed_calls` and logged once. The `crossed_clients` scenario runs a
+/// core that mixes them.
 ///
 /// # Safety
 ///
 /// `ctx` must be a `client_context` that an `acquire` of this module's
 /// clients returned and that the core has not yet passed to `release`.
-#[inline(always)]
-unsafe fn called<'a, A: Access>(ctx: *mut c_void) -> (&'a Registration, bool) {
+unsafe fn called<'a, const INV: bool>(ctx: *mut c_void) -> &'a Registration {
     // SAFETY: `ctx` came from `into_raw` of a reference the core still owns
     // (caller).
     let reg = unsafe { RegRef::borrow(ctx) };
-    (reg, reg.mode() == A::MODE)
+    if (reg.mode() == Mode::Invalidating) != INV {
+        crossed();
+    }
+    reg
 }
 
-/// Serves a call that came through the other client: counts it, says so
-/// the first time, and runs `serve` (the other client's trampoline). Out of
-/// line, as the last thing its caller does: the common path saves nothing
-/// for it.
+/// Counts a call that came through the other client, and says so the first
+/// time.
 #[cold]
-#[inline(never)]
-fn crossed<R>(serve: impl FnOnce() -> R) -> R {
+fn crossed() {
     if STATS.crossed_calls.fetch_add(1, Relaxed) == 0 {
         pr_warn!("the RDMA core called a registration through another client than the one that made it; each such call is served as the registration's own client's\n");
     }
-    serve()
 }
 
 /// `acquire`: claims the range if it is GPU memory the provider can pin.
@@ -208,26 +187,23 @@ fn crossed<R>(serve: impl FnOnce() -> R) -> R {
 /// # Safety
 ///
 /// Called by the core with `client_context` NULL or a valid out-pointer.
-unsafe extern "C" fn acquire<const INVALIDATING: bool>(
+unsafe extern "C" fn acquire<const INV: bool>(
     addr: c_ulong,
     size: usize,
     _peer_mem_private_data: *mut c_void,
     _peer_mem_name: *mut c_char,
     client_context: *mut *mut c_void,
 ) -> c_int {
-    // The invalidating client's registrations use `INVALIDATING_LINK`.
-    let mode = if INVALIDATING {
-        if !INVALIDATING_LINK.ready() {
-            // Registration with the core has not returned yet.
-            return 0;
-        }
+    // The invalidating client's registrations use `INVALIDATING`, which is
+    // ready once registration with the core returned.
+    if client_context.is_null() || (INV && !INVALIDATING.ready()) {
+        return 0;
+    }
+    let mode = if INV {
         Mode::Invalidating
     } else {
         Mode::Persistent
     };
-    if client_context.is_null() {
-        return 0;
-    }
     match Registration::acquire(addr as u64, size as u64, mode) {
         Ok(reg) => {
             STATS.acquired.add(1, Relaxed);
@@ -244,12 +220,13 @@ unsafe extern "C" fn acquire<const INVALIDATING: bool>(
     }
 }
 
-/// `get_pages`: see [`Called::get_pages`](crate::registration::Called::get_pages).
+/// `get_pages`: see [`Registration::get_pages`].
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by an `acquire` of this module's clients.
-unsafe extern "C" fn get_pages<A: Access>(
+/// `client_context` must be a live context returned by an `acquire` of this
+/// module's clients.
+unsafe extern "C" fn get_pages<const INV: bool>(
     addr: c_ulong,
     size: usize,
     _write: c_int,
@@ -259,59 +236,33 @@ unsafe extern "C" fn get_pages<A: Access>(
     core_context: u64,
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
-    let (reg, own) = unsafe { called::<A>(client_context) };
-    if !own {
-        // SAFETY: as for this call; the other mode's way is the context's.
-        return crossed(move || unsafe {
-            get_pages::<A::Other>(
-                addr,
-                size,
-                _write,
-                _force,
-                _sg_head,
-                client_context,
-                core_context,
-            )
-        });
-    }
-    // SAFETY: of mode `A::MODE` (just checked).
-    let reg = unsafe { reg.called_unchecked::<A>() };
+    let reg = unsafe { called::<INV>(client_context) };
     match reg.get_pages(addr as u64, size as u64, core_context) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
     }
 }
 
-/// `dma_map`: see [`Called::dma_map`](crate::registration::Called::dma_map).
+/// `dma_map`: see [`Registration::dma_map`].
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by an `acquire` of this module's clients; `sg_head`
-/// the core's table for it and `nmap` NULL or valid; `dma_device` NULL or a
-/// device the core keeps alive while the registration is mapped.
-unsafe extern "C" fn dma_map<A: Access>(
+/// `client_context` must be a live context returned by an `acquire` of this
+/// module's clients; `sg_head` the core's table for it and `nmap` NULL or
+/// valid; `dma_device` NULL or a device the core keeps alive while the
+/// registration is mapped.
+unsafe extern "C" fn dma_map<const INV: bool>(
     sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     dma_device: *mut bindings::device,
     _dmasync: c_int,
     nmap: *mut c_int,
 ) -> c_int {
-    if sg_head.is_null() {
-        return no_table();
-    }
-    if nmap.is_null() {
-        return no_table();
+    if sg_head.is_null() || nmap.is_null() {
+        return EINVAL.to_errno();
     }
     // SAFETY: the core passes a context of this module's (caller).
-    let (reg, own) = unsafe { called::<A>(client_context) };
-    if !own {
-        // SAFETY: as for this call; the other mode's way is the context's.
-        return crossed(move || unsafe {
-            dma_map::<A::Other>(sg_head, client_context, dma_device, _dmasync, nmap)
-        });
-    }
-    // SAFETY: of mode `A::MODE` (just checked).
-    let reg = unsafe { reg.called_unchecked::<A>() };
+    let reg = unsafe { called::<INV>(client_context) };
     // SAFETY: `sg_head` is the core's table for this registration and the core
     // keeps `dma_device` alive while the registration is mapped.
     match unsafe { reg.dma_map(sg_head, dma_device) } {
@@ -324,72 +275,39 @@ unsafe extern "C" fn dma_map<A: Access>(
     }
 }
 
-/// `dma_map` without a table or a count to fill: refused.
-#[cold]
-fn no_table() -> c_int {
-    EINVAL.to_errno()
-}
-
-/// `dma_unmap`: see [`Called::dma_unmap`](crate::registration::Called::dma_unmap).
+/// `dma_unmap`: see [`Registration::dma_unmap`].
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by an `acquire` of this module's clients.
-unsafe extern "C" fn dma_unmap<A: Access>(
+/// `client_context` must be a live context returned by an `acquire` of this
+/// module's clients.
+unsafe extern "C" fn dma_unmap<const INV: bool>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     _dma_device: *mut bindings::device,
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
-    let (reg, own) = unsafe { called::<A>(client_context) };
-    if !own {
-        // SAFETY: as for this call; the other mode's way is the context's.
-        return crossed(move || unsafe {
-            dma_unmap::<A::Other>(_sg_head, client_context, _dma_device)
-        });
-    }
-    // SAFETY: of mode `A::MODE` (just checked).
-    unsafe { reg.called_unchecked::<A>() }.dma_unmap();
+    unsafe { called::<INV>(client_context) }.dma_unmap();
     0
 }
 
-/// `put_pages`: see [`Called::put_pages`](crate::registration::Called::put_pages).
+/// `put_pages`: see [`Registration::put_pages`]; nothing to do (and nothing
+/// checked) without a mapping, the core's usual order.
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by an `acquire` of this module's clients.
-unsafe extern "C" fn put_pages<A: Access>(
+/// `client_context` must be a live context returned by an `acquire` of this
+/// module's clients.
+unsafe extern "C" fn put_pages<const INV: bool>(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
 ) {
     // SAFETY: `client_context` came from `into_raw` of a reference the core
     // still owns (caller).
-    let reg = unsafe { RegRef::borrow(client_context) };
-    if reg.put_pages_needed() {
-        // SAFETY: as for this call.
-        unsafe { put_held_pages::<A>(_sg_head, client_context) };
+    if unsafe { RegRef::borrow(client_context) }.put_pages_needed() {
+        // SAFETY: as above.
+        unsafe { called::<INV>(client_context) }.put_pages();
     }
-}
-
-/// `put_pages` of a registration that holds a mapping (the core's unusual
-/// order); out of line, so that the usual call saves nothing.
-///
-/// # Safety
-///
-/// As for [`put_pages`].
-#[inline(never)]
-unsafe fn put_held_pages<A: Access>(
-    _sg_head: *mut bindings::sg_table,
-    client_context: *mut c_void,
-) {
-    // SAFETY: the core passes a context of this module's (caller).
-    let (reg, own) = unsafe { called::<A>(client_context) };
-    if !own {
-        // SAFETY: as for this call; the other mode's way is the context's.
-        return crossed(move || unsafe { put_pages::<A::Other>(_sg_head, client_context) });
-    }
-    // SAFETY: of mode `A::MODE` (just checked).
-    unsafe { reg.called_unchecked::<A>() }.put_pages();
 }
 
 /// `get_page_size`: the granule of every entry we build.
@@ -403,23 +321,16 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
     crate::range::granule(bindings::PAGE_SIZE as u64) as c_ulong
 }
 
-/// `release`: see [`Called::release`](crate::registration::Called::release).
+/// `release`: see [`Registration::release`].
 ///
 /// # Safety
 ///
-/// `client_context` must be a live context returned by an `acquire` of this module's clients, released
-/// once.
-unsafe extern "C" fn release<A: Access>(client_context: *mut c_void) {
-    // SAFETY: the core passes a context of this module's (caller), and
-    // keeps its reference until we take it back below.
-    let (reg, own) = unsafe { called::<A>(client_context) };
-    if !own {
-        // SAFETY: as for this call; the other mode's way is the context's,
-        // and it takes the core's reference back.
-        return crossed(move || unsafe { release::<A::Other>(client_context) });
-    }
-    // SAFETY: of mode `A::MODE` (just checked).
-    unsafe { reg.called_unchecked::<A>() }.release();
+/// `client_context` must be a live context returned by an `acquire` of this
+/// module's clients, released once.
+unsafe extern "C" fn release<const INV: bool>(client_context: *mut c_void) {
+    // SAFETY: the core passes a context of this module's (caller), and keeps
+    // its reference until we take it back below.
+    unsafe { called::<INV>(client_context) }.release();
     // SAFETY: that context, passed to `release` once, here: the core's
     // reference comes back and goes.
     drop(unsafe { RegRef::from_raw(client_context) });

@@ -7,15 +7,12 @@
 //! derived from the tree's own Rust sources) and is resolved here.
 //!
 //! - 7.3 has `kernel::module::this_module`; 7.2 only the C symbol.
-//! - 7.3's module parameters return the value, 7.2's a reference to it.
 //! - 7.3 has `Task::tgid`; 7.2 reaches it through the group leader.
 //! - 7.3 names `EOPNOTSUPP` in `kernel::error::code`; 7.2 does not (and has
 //!   no public `const` constructor for an `Error`).
 //! - 7.3's pin-init initializes raw memory through `raw_try_init` (its
 //!   `PinInit::__pinned_init` is gone), 7.2's through `__pinned_init`
 //!   (probe `peermem_raw_try_init`).
-
-use core::borrow::Borrow;
 
 use kernel::{
     bindings,
@@ -36,11 +33,6 @@ pub(crate) fn this_module() -> *mut bindings::module {
     }
 }
 
-/// A module parameter's value, whether the series returns it or a reference.
-pub(crate) fn param<T: Copy>(v: impl Borrow<T>) -> T {
-    *v.borrow()
-}
-
 /// The calling process's id (the thread group's), as the GPU driver keys
 /// non-persistent pins by it.
 pub(crate) fn current_tgid() -> u32 {
@@ -59,9 +51,8 @@ pub(crate) fn current_ids() -> (core::num::NonZeroU32, u32) {
 /// The name of the process `tgid` (as [`current_tgid`] gives it), all zero
 /// when it has exited.
 pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {
-    let mut comm = [0u8; 16];
-    // SAFETY: a 16-byte buffer (TASK_COMM_LEN), written by the helper only.
-    unsafe { crate::ffi::peermem_comm_of(tgid, comm.as_mut_ptr().cast()) };
+    let mut comm = [0; 16];
+    crate::ffi::peermem_comm_of(tgid, &mut comm);
     comm
 }
 
@@ -90,7 +81,6 @@ pub(crate) fn eopnotsupp() -> Error {
 /// `slot` must be valid, properly aligned memory for a `T`, uninitialized,
 /// which does not move until the value is dropped; on `Err` it stays
 /// uninitialized and may only be freed.
-#[inline(always)]
 pub(crate) unsafe fn init_pinned<T, E>(slot: *mut T, init: impl PinInit<T, E>) -> Result<(), E> {
     #[cfg(peermem_raw_try_init)]
     // SAFETY: as promised by the caller.

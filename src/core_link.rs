@@ -5,7 +5,7 @@
 
 use core::cell::UnsafeCell;
 
-use crate::atomics::{
+use kernel::sync::atomic::{
     Acquire,
     Atomic,
     Release, //
@@ -14,6 +14,9 @@ use crate::atomics::{
 use kernel::ffi::c_void;
 
 use crate::ffi;
+
+/// The invalidate hook of the (one) invalidating client.
+pub(crate) static INVALIDATING: CoreLink = CoreLink::new();
 
 /// The core's invalidate hook for one client.
 ///

@@ -11,7 +11,6 @@ use kernel::{
         device,
         kmem_cache,
         pci_dev,
-        scatterlist,
         workqueue_struct, //
     },
     ffi::{
@@ -46,9 +45,10 @@ mod generated {
 pub(crate) use generated::*;
 
 // `device` holds `lockdep_map`s, zero-sized without lockdep; we only pass
-// pointers to it.
+// pointers to it. The shim's functions that take no pointer, or only
+// references, are `safe`: any argument is sound.
 #[allow(improper_ctypes)]
-extern "C" {
+unsafe extern "C" {
     /// The PCI device behind `dev`, or NULL if `dev` is NULL or not PCI;
     /// then also its PCI address (as in [`PeermemHop`]) in `id` and its DMA
     /// segment limit (`dma_get_max_seg_size`) in `max_seg`.
@@ -77,29 +77,27 @@ extern "C" {
     ) -> c_int;
     /// Undoes [`peermem_map_coherent`].
     pub(crate) fn peermem_unmap_coherent(dev: *mut device, dma: u64, len: u64);
-    /// Registers the bus notifier that calls `bar_window`'s
+    /// Registers the bus notifier that calls `accounting`'s
     /// `peermem_device_unbound` when a PCI device loses its driver.
-    pub(crate) fn peermem_watch_devices() -> c_int;
+    pub(crate) safe fn peermem_watch_devices() -> c_int;
     /// Unregisters it; returns once no notification runs.
-    pub(crate) fn peermem_unwatch_devices();
+    pub(crate) safe fn peermem_unwatch_devices();
     /// A workqueue of this module, or NULL.
-    pub(crate) fn peermem_wq_alloc() -> *mut workqueue_struct;
+    pub(crate) safe fn peermem_wq_alloc() -> *mut workqueue_struct;
     /// Drains and frees a queue from [`peermem_wq_alloc`].
     pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
     /// Queues the module's reap work (`reaper::peermem_reap_run`) on `wq`;
     /// false if it was pending already.
     pub(crate) fn peermem_reap_kick(wq: *mut workqueue_struct) -> bool;
     /// A slab cache for objects of `size` bytes aligned to `align`, or NULL.
-    pub(crate) fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
-    /// `kmalloc_array` of `nents` scatterlist entries (not zeroed), or NULL.
-    pub(crate) fn peermem_sg_chunk_alloc(nents: c_uint) -> *mut scatterlist;
+    pub(crate) safe fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
     /// The PCI device whose memory BAR holds `phys`: its path up, and the
     /// BAR's first and last byte. 0 or -ENODEV.
-    pub(crate) fn peermem_gpu_by_phys(
+    pub(crate) safe fn peermem_gpu_by_phys(
         phys: u64,
-        out: *mut PeermemChain,
-        bar_start: *mut u64,
-        bar_end: *mut u64,
+        out: &mut PeermemChain,
+        bar_start: &mut u64,
+        bar_end: &mut u64,
     ) -> c_int;
     /// The path up of the PCI device behind `dev`. 0 or -ENODEV.
     pub(crate) fn peermem_chain_of(dev: *mut device, out: *mut PeermemChain) -> c_int;
@@ -107,7 +105,7 @@ extern "C" {
     /// 4 other.
     pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
     /// The calling process's name into a 16-byte buffer.
-    pub(crate) fn peermem_comm_of(tgid: u32, comm: *mut c_char);
+    pub(crate) safe fn peermem_comm_of(tgid: u32, comm: &mut [c_char; 16]);
     /// The `skip`-th PCI device the GPU driver's topology gate can be asked
     /// about for the GPU whose BAR holds `gpu_phys`: a bound bus master, not
     /// a bridge, whose driver uses the DMA API, with (`near`) or without an
@@ -115,12 +113,19 @@ extern "C" {
     /// devices first, then any other but displays, storage and USB. Locked
     /// (so that it keeps its driver) and referenced, for
     /// [`peermem_gate_candidate_put`]; or NULL.
-    pub(crate) fn peermem_gate_candidate(gpu_phys: u64, near: bool, skip: c_uint) -> *mut pci_dev;
+    pub(crate) safe fn peermem_gate_candidate(
+        gpu_phys: u64,
+        near: bool,
+        skip: c_uint,
+    ) -> *mut pci_dev;
     /// Unlocks and drops a device from [`peermem_gate_candidate`].
     pub(crate) fn peermem_gate_candidate_put(dev: *mut pci_dev);
     /// Whether a warning about user-triggered events may be printed now
     /// (the kernel's default ratelimit: 10 lines per 5 s).
-    pub(crate) fn peermem_ratelimit() -> bool;
+    pub(crate) safe fn peermem_ratelimit() -> bool;
+    /// The value of the module parameter `which` (`params::Param`), -1 for
+    /// none.
+    pub(crate) safe fn peermem_param(which: c_uint) -> c_int;
 }
 
 /// `struct peermem_hop` of the C shim.

@@ -24,6 +24,16 @@
 //! The module and the host model checker (loom, proptest) compile this very
 //! file, with kernel objects or with plain markers as the resources.
 
+/// How a registration's pages are pinned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// `nvidia_p2p_get_pages_persistent`: no free callback.
+    Persistent,
+    /// `nvidia_p2p_get_pages` with a free callback that revokes through the
+    /// core's invalidate hook.
+    Invalidating,
+}
+
 /// The objects a registration owns at some point of its life.
 pub(crate) trait Resources {
     /// A page table the GPU driver pinned for us.
@@ -218,7 +228,6 @@ impl<R: Resources> Lifecycle<R> {
     }
 
     /// Takes `pin` in (the phase is the caller's to set).
-    #[inline(always)]
     fn hold(&mut self, pin: Pin<R>) {
         self.table = Some(pin.table);
         self.token = pin.token;
@@ -302,15 +311,6 @@ impl<R: Resources> Lifecycle<R> {
         }
     }
 
-    /// The table, while Bound (what [`Lifecycle::start_map`] would map); no
-    /// transition.
-    pub(crate) fn bound_table(&self) -> Option<&R::Table> {
-        match (self.phase, &self.table) {
-            (Phase::Bound, Some(t)) => Some(t),
-            _ => None,
-        }
-    }
-
     /// `get_pages` accepted the table: the core knows the registration as
     /// `core_context` from now on.
     pub(crate) fn bind(&mut self, core_context: u64) -> Result<(), Refusal> {
@@ -373,7 +373,11 @@ impl<R: Resources> Lifecycle<R> {
     pub(crate) fn put_pages(&mut self) -> Option<R::Map> {
         self.unmap()
     }
+}
 
+/// The calls that end a registration: the free callback, `release` and the
+/// unpin's outcome.
+impl<R: Resources> Lifecycle<R> {
     /// The GPU driver's free callback. The callback consumes its own
     /// reference: every token still held is dropped here, never reclaimed.
     /// Returns what to do and the pin's table, which the provider frees as
@@ -434,22 +438,28 @@ impl<R: Resources> Lifecycle<R> {
     /// this process may, and end.
     pub(crate) fn release(&mut self, tgid: u32) -> Release<R> {
         match self.phase {
-            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped => (),
+            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped => {
+                self.release_pin(tgid)
+            }
             Phase::Revoked => {
                 self.phase = Phase::Released;
-                return Release {
+                Release {
                     map: self.map.take(),
                     ..Release::default()
-                };
+                }
             }
             Phase::Acquired => {
                 self.phase = Phase::Released;
-                return Release::default();
+                Release::default()
             }
             // The core never releases in the middle of its own call, and
             // nothing is left to release in the other phases.
-            _ => return Release::default(),
+            _ => Release::default(),
         }
+    }
+
+    /// `release` of a registration that holds its pin.
+    fn release_pin(&mut self, tgid: u32) -> Release<R> {
         self.core = 0;
         let map = self.map.take();
         if self.token.is_none() {

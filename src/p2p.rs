@@ -5,8 +5,9 @@
 //! The provider owns the page tables and DMA mappings it hands out and, for
 //! non-persistent pins, frees them itself right after its free callback
 //! returns. Whether a handle may still be used is therefore decided by the
-//! registration's [`Lifecycle`](crate::lifecycle::Lifecycle), not by Rust
-//! ownership: the handles here are plain tokens with `unsafe` accessors.
+//! registration's lifecycle, not by Rust ownership: the handles here are
+//! plain tokens with `unsafe` accessors, and a free callback is a function
+//! with its data. Nothing here knows what a registration is.
 
 use core::ptr::NonNull;
 
@@ -22,8 +23,6 @@ use crate::{
         GpuRange,
         GPU_PAGE_SIZE, //
     },
-    reg_ref::RegRef,
-    registration::Registration,
 };
 
 /// Page-table major versions whose fields up to `gpu_uuid` we can read:
@@ -96,57 +95,10 @@ pub(crate) struct DmaMapping(NonNull<ffi::nvidia_p2p_dma_mapping>);
 // SAFETY: as for `PageTable`.
 unsafe impl Send for DmaMapping {}
 
-/// The reference on a registration that the provider holds while the free
-/// callback of a non-persistent pin is armed: a token without data (the
-/// registration that holds it in its lifecycle is the one referenced).
-///
-/// # Invariants
-///
-/// Made only by [`get_pages`], when the provider accepted the callback with
-/// a counted reference on the pinning registration, which belongs to the
-/// provider: the free callback consumes it, or [`ArmedCallback::reclaim`]
-/// takes it back after an unpin that the callback did not race. Dropping the
-/// token leaves the reference where it is.
-pub(crate) struct ArmedCallback(());
-
-impl ArmedCallback {
-    /// Takes the provider's reference on `reg` back.
-    ///
-    /// # Safety
-    ///
-    /// `reg` must be the registration whose pin made this token. The provider
-    /// unpinned the pages (in the pinning process, with success) and the free
-    /// callback did not run, so it never will: the provider looks the pin up
-    /// under the lock it holds across the callback (real-driver-behaviour.md,
-    /// facts 2 and 8).
-    pub(crate) unsafe fn reclaim(self, reg: &Registration) -> RegRef {
-        // SAFETY: the provider's reference is counted on `reg` (type
-        // invariant) and no longer the provider's (caller).
-        unsafe { RegRef::adopt(reg) }
-    }
-}
-
-/// The free callback given to `nvidia_p2p_get_pages`.
-///
-/// # Safety
-///
-/// `data` is the reference that [`get_pages`] gave the provider; the provider
-/// calls this at most once, and only while the pin is armed.
-unsafe extern "C" fn free_trampoline(data: *mut c_void) {
-    // SAFETY: the provider hands back the reference given in `get_pages`; it
-    // is consumed here (the registration's lifecycle then never reclaims it).
-    let owner = unsafe { RegRef::from_raw(data) };
-    owner.revoke();
-    // The callback's reference can be the registration's last one, and its
-    // drop drops a module reference: dropped from the module's queue, which
-    // its exit drains (see `reaper`), never here.
-    crate::reaper::defer(owner);
-}
-
 /// Waits, at module exit, for every free callback that may still be running
 /// this module's code.
 ///
-/// [`free_trampoline`] hands its reference to the reap queue and then still
+/// A free callback hands its reference to the reap queue and then still
 /// has to return; if that reference was the last, the module can be unloaded
 /// in between. The callback runs under the GPU driver's RM API lock, and every
 /// p2p entry point takes that lock first (real-driver-behaviour.md, facts 1
@@ -207,16 +159,22 @@ impl Drop for CallbackFence {
     }
 }
 
-fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
-    if rc != 0 {
-        return Err(provider_error(rc));
+/// A provider return code as a result (see [`provider_error`]).
+fn provider_result(rc: i32) -> Result {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(provider_error(rc))
     }
+}
+
+fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
+    provider_result(rc)?;
     // INVARIANT: the provider returned success with this pointer.
     NonNull::new(pt).map(PageTable).ok_or(EIO)
 }
 
 /// Pins `range` without a free callback; the pages stay until unpinned.
-#[inline]
 pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
     // SAFETY: `pt` is a valid out-pointer; the provider validates the range.
@@ -224,36 +182,30 @@ pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     table_from(rc, pt)
 }
 
-/// Pins `range` with a free callback that calls `owner.revoke()` when the GPU
-/// driver frees the pages; the provider holds a reference of its own on
-/// `owner` meanwhile. The callback may run before this returns.
-pub(crate) fn get_pages(range: &GpuRange, owner: &RegRef) -> Result<(PageTable, ArmedCallback)> {
-    let raw = owner.clone().into_raw();
+/// A free callback: the GPU driver calls it with its data when it frees the
+/// pages of a non-persistent pin.
+pub(crate) type FreeCallback = unsafe extern "C" fn(*mut c_void);
+
+/// Pins `range` with the free callback `callback`, which the GPU driver calls
+/// with `data` (at most once) when it frees the pages; the callback may run
+/// before this returns. On an error the driver did not keep `data`.
+///
+/// # Safety
+///
+/// `callback` must be sound to call with `data` from any sleepable context
+/// until the pin is undone (a successful unpin by the pinning process).
+pub(crate) unsafe fn get_pages(
+    range: &GpuRange,
+    callback: FreeCallback,
+    data: *mut c_void,
+) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
-    // SAFETY: `pt` is a valid out-pointer; `raw` is a reference of its own,
-    // valid until the callback consumes it or the owner reclaims it.
+    // SAFETY: `pt` is a valid out-pointer; the callback may be called with
+    // `data` (caller).
     let rc = unsafe {
-        ffi::nvidia_p2p_get_pages(
-            0,
-            0,
-            range.start,
-            range.len,
-            &mut pt,
-            Some(free_trampoline),
-            raw,
-        )
+        ffi::nvidia_p2p_get_pages(0, 0, range.start, range.len, &mut pt, Some(callback), data)
     };
-    match table_from(rc, pt) {
-        // INVARIANT: the provider holds the reference taken above, on
-        // `owner`.
-        Ok(t) => Ok((t, ArmedCallback(()))),
-        Err(e) => {
-            // SAFETY: the provider refused and did not keep the callback: the
-            // reference taken above is ours again.
-            drop(unsafe { RegRef::from_raw(raw) });
-            Err(e)
-        }
-    }
+    table_from(rc, pt)
 }
 
 impl PageTable {
@@ -348,10 +300,7 @@ impl PageTable {
         // SAFETY: per the caller's guarantee; the provider only compares the
         // pointer with its live tables.
         let rc = unsafe { ffi::nvidia_p2p_put_pages(0, 0, range.start, self.0.as_ptr()) };
-        if rc != 0 {
-            return Err(provider_error(rc));
-        }
-        Ok(())
+        provider_result(rc)
     }
 
     /// Unpins a persistent table.
@@ -363,10 +312,7 @@ impl PageTable {
     pub(crate) unsafe fn put_persistent(self, range: &GpuRange) -> Result {
         // SAFETY: per the caller's guarantee.
         let rc = unsafe { ffi::nvidia_p2p_put_pages_persistent(range.start, self.0.as_ptr(), 0) };
-        if rc != 0 {
-            return Err(provider_error(rc));
-        }
-        Ok(())
+        provider_result(rc)
     }
 
     /// Maps the table for DMA by `peer`.
@@ -378,9 +324,7 @@ impl PageTable {
         let mut m = core::ptr::null_mut();
         // SAFETY: per the caller's guarantee; `m` is a valid out-pointer.
         let rc = unsafe { ffi::nvidia_p2p_dma_map_pages(peer, self.0.as_ptr(), &mut m) };
-        if rc != 0 {
-            return Err(provider_error(rc));
-        }
+        provider_result(rc)?;
         // INVARIANT: the provider returned success with this pointer.
         NonNull::new(m).map(DmaMapping).ok_or(EIO)
     }
@@ -394,10 +338,7 @@ impl PageTable {
     pub(crate) unsafe fn dma_unmap(&self, peer: *mut pci_dev, m: DmaMapping) -> Result {
         // SAFETY: per the caller's guarantee.
         let rc = unsafe { ffi::nvidia_p2p_dma_unmap_pages(peer, self.0.as_ptr(), m.0.as_ptr()) };
-        if rc != 0 {
-            return Err(provider_error(rc));
-        }
-        Ok(())
+        provider_result(rc)
     }
 }
 
@@ -456,41 +397,6 @@ impl<'a> PageView<'a> {
         // SAFETY: as above.
         Some(unsafe { (*page).physical_address })
     }
-
-    /// As [`PageView::one_run`] for a view of at most `max_pages` pages;
-    /// `None` for a longer one, whose pages are not read: a caller inside a
-    /// spinlock's section keeps the section short whatever the MR's size.
-    #[inline(always)]
-    pub(crate) fn one_run_of_at_most(&self, page: u64, max_pages: usize) -> Option<(u64, u64)> {
-        if self.entries > max_pages {
-            return None;
-        }
-        self.one_run(page)
-    }
-
-    /// The pages as one run of bus addresses, each page `page` bytes after
-    /// the one before: its first address and length; `None` when a page
-    /// has no address or does not follow, or when there is no page.
-    #[inline(always)]
-    pub(crate) fn one_run(&self, page: u64) -> Option<(u64, u64)> {
-        let first = self.physical_address(0)?;
-        let len = (self.entries as u64).checked_mul(page)?;
-        // The last page's address: no sum below overflows.
-        first.checked_add(len - page)?;
-        let mut next = first;
-        for i in 1..self.entries {
-            next += page;
-            // SAFETY: `i < entries` page pointers of a checked table, valid
-            // while the table is (the view borrows it); `pages` is not null
-            // (page 0 was read).
-            let p = unsafe { *self.pages.add(i) };
-            // SAFETY: as above, when not null.
-            if p.is_null() || unsafe { (*p).physical_address } != next {
-                return None;
-            }
-        }
-        Some((first, len))
-    }
 }
 
 impl DmaMapping {
@@ -500,7 +406,6 @@ impl DmaMapping {
     /// # Safety
     ///
     /// The mapping must still be valid.
-    #[inline(always)]
     pub(crate) unsafe fn check(&self, entries: u32) -> Result<(), Mismatch> {
         // SAFETY: valid per the caller's guarantee.
         let m = unsafe { self.0.as_ref() };
@@ -522,7 +427,6 @@ impl DmaMapping {
     ///
     /// The mapping must have passed [`DmaMapping::check`] and stay valid
     /// while the slice is used.
-    #[inline(always)]
     pub(crate) unsafe fn addresses(&self) -> &[u64] {
         // SAFETY: valid per the caller's guarantee.
         let m = unsafe { self.0.as_ref() };
@@ -543,7 +447,6 @@ impl DmaMapping {
     ///
     /// The mapping must have passed [`DmaMapping::check`] (a version with
     /// `pci_dev`) and still be valid.
-    #[inline(always)]
     pub(crate) unsafe fn peer(&self) -> *mut pci_dev {
         // SAFETY: valid per the caller's guarantee.
         unsafe { self.0.as_ref() }.pci_dev

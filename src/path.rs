@@ -102,20 +102,26 @@ fn is_switch(h: &Hop) -> bool {
     matches!(h.kind, HopKind::SwitchUp | HopKind::Bridge)
 }
 
+/// The path between devices below different host bridges: on one NUMA
+/// node, or not.
+fn across_hosts(a: &Chain<'_>, b: &Chain<'_>) -> Path {
+    let class = if a.numa >= 0 && b.numa >= 0 && a.numa != b.numa {
+        Class::Sys
+    } else {
+        Class::Node
+    };
+    Path {
+        class,
+        acs_redirect: a.hops.iter().chain(b.hops).any(|h| h.acs_redirect),
+        shares_bridge: false,
+    }
+}
+
 /// Classifies the path between the devices `a` and `b`.
 pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
     let all_acs = || a.hops.iter().chain(b.hops).any(|h| h.acs_redirect);
     if a.root != b.root {
-        let class = if a.numa >= 0 && b.numa >= 0 && a.numa != b.numa {
-            Class::Sys
-        } else {
-            Class::Node
-        };
-        return Path {
-            class,
-            acs_redirect: all_acs(),
-            shares_bridge: false,
-        };
+        return across_hosts(a, b);
     }
     // The lowest bridge both hang below.
     let common = a
@@ -164,18 +170,6 @@ pub(crate) enum Verdict {
     /// The driver could not be asked (persistent pins refused, as under MIG
     /// or vGPU, or no such peer to ask about).
     Unverified = 3,
-}
-
-impl Verdict {
-    /// The verdict stored as `bits & 3`.
-    pub(crate) fn from_bits(bits: u32) -> Self {
-        match bits & 3 {
-            1 => Verdict::Open,
-            2 => Verdict::Refused,
-            3 => Verdict::Unverified,
-            _ => Verdict::Unknown,
-        }
-    }
 }
 
 /// The topology gate as the invalidating client applies it for the GPU

@@ -8,13 +8,9 @@
 
 use core::ptr::NonNull;
 
-use kernel::{
-    bindings::{
-        self,
-        device,
-        pci_dev, //
-    },
-    ffi::c_ulong,
+use kernel::bindings::{
+    device,
+    pci_dev, //
 };
 
 use crate::ffi;
@@ -76,23 +72,6 @@ impl PeerDevice {
     /// The device's largest DMA segment: scatterlist entries must not exceed it.
     pub(crate) fn max_segment(&self) -> u64 {
         u64::from(self.max_seg)
-    }
-
-    /// Whether the DMA API maps its DMA through an IOMMU DMA domain
-    /// (`dev_dma_iommu()`, which the IOMMU core sets when it attaches such a
-    /// domain): a hint only, read without a lock. No BAR window is made for
-    /// such a device (`bar_window`, which decides for itself).
-    #[inline(always)]
-    pub(crate) fn translated(&self) -> bool {
-        let bit = bindings::struct_device_flags_DEV_FLAG_DMA_IOMMU as usize;
-        let per_word = c_ulong::BITS as usize;
-        // SAFETY: a live device (type invariant); one word of its flag
-        // bitmap, read once (`READ_ONCE`) since the bitmap's writers use
-        // atomic bit operations.
-        let word = unsafe {
-            core::ptr::read_volatile(&raw const (*self.dev.as_ptr()).flags[bit / per_word])
-        };
-        word & (1 << (bit % per_word)) != 0
     }
 
     /// Its PCI address (domain << 16 | bus << 8 | devfn).

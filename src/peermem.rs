@@ -10,7 +10,6 @@
 //! revokes it through the core's invalidate hook.
 
 use kernel::{
-    bindings,
     debugfs::{
         Dir,
         File, //
@@ -18,43 +17,46 @@ use kernel::{
     prelude::*,
 };
 
-mod access;
-mod accounting;
-mod atomics;
-mod bar_map;
-mod bar_window;
-mod claim;
-mod client;
+// Layers, each using only those above it in this list:
+// pure logic, tested on the host as well
 mod coalesce;
-mod compat;
-mod core_link;
-mod device_map;
-mod ffi;
 mod lifecycle;
-mod liveness;
-mod p2p;
 mod path;
-mod peer_device;
-mod provider_map;
 mod range;
-mod reaper;
-mod reg_lock;
-mod reg_ref;
-mod registration;
+// kernel glue
+mod compat;
+mod ffi;
+mod params;
 mod sg;
 mod stats;
+mod waitq;
+// the GPU driver's p2p API
+mod p2p;
+// DMA: the peer, its path and accounting, the mappings
+mod accounting;
+mod bar_map;
+mod device_map;
+mod peer_device;
+mod provider_map;
+mod topology;
+// the core's link, the registration, the clients
+mod client;
+mod core_link;
+mod registration;
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;
-mod topology;
-mod waitq;
 
 use client::{
     CoreRegistration,
-    INVALIDATING_LINK,
     NV_MEM_INVALIDATING,
     NV_MEM_INVALIDATING_LEGACY,
     NV_MEM_NC,
     NV_MEM_PERSISTENT, //
+};
+use registration::{
+    refs::ReapQueue,
+    RegCache,
+    Registration, //
 };
 
 module! {
@@ -63,32 +65,6 @@ module! {
     authors: ["peermem-rs developers"],
     description: "NVIDIA GPU memory plug-in for the RDMA peer-memory core (memory-safe Rust)",
     license: "Dual MIT/GPL",
-    params: {
-        persistent_api_support: i32 {
-            default: 1,
-            description: "1 [default]: one non-invalidating client nv_mem on persistent pins; 0: nv_mem invalidating on the free callback, plus nv_mem_nc non-invalidating",
-        },
-        peerdirect_support: i32 {
-            default: 0,
-            description: "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)",
-        },
-        path_policy: i32 {
-            default: 0,
-            description: "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)",
-        },
-        allow_unverified_paths: i32 {
-            default: 0,
-            description: "0 [default]: the invalidating client refuses a GPU-peer pair with no PCIe switch in common when the GPU driver's topology verdict cannot be learnt (persistent pins refused: MIG, vGPU); 1: map for it",
-        },
-        pair_table_slots: i32 {
-            default: 64,
-            description: "GPU-peer pairs tracked (1..64, default 64): per-pair counts in debugfs paths and BAR windows; a pair without a slot is classified at each registration",
-        },
-        path_accounting: i32 {
-            default: 1,
-            description: "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)",
-        },
-    },
 }
 
 /// `version=` in `.modinfo`, so that `/sys/module/nvidia_peermem/version`
@@ -121,37 +97,11 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
     out
 }
 
-/// The path parameters, copied at load: they cannot change afterwards (no
-/// sysfs write), and reading a module parameter is a call per read.
-static PATH_POLICY: atomics::Atomic<u32> = atomics::Atomic::new(0);
-static PATH_ACCOUNTING: atomics::Atomic<u32> = atomics::Atomic::new(1);
-static ALLOW_UNVERIFIED: atomics::Atomic<u32> = atomics::Atomic::new(0);
-static PAIR_SLOTS: atomics::Atomic<u32> = atomics::Atomic::new(accounting::PAIRS as u32);
-
-/// The `pair_table_slots` parameter: how many pair slots are used.
-pub(crate) fn pair_slots_parameter() -> usize {
-    PAIR_SLOTS.load(atomics::Relaxed) as usize
-}
-
-/// The `allow_unverified_paths` parameter.
-pub(crate) fn unverified_parameter() -> bool {
-    ALLOW_UNVERIFIED.load(atomics::Relaxed) != 0
-}
-
-/// The `path_policy` parameter.
-pub(crate) fn policy_parameter() -> i32 {
-    PATH_POLICY.load(atomics::Relaxed) as i32
-}
-
-/// The `path_accounting` parameter: whether registrations are charged per
-/// pair, GPU and process.
-pub(crate) fn accounting_parameter() -> bool {
-    PATH_ACCOUNTING.load(atomics::Relaxed) != 0
-}
-
-/// This module's `struct module`.
-pub(crate) fn this_module() -> *mut bindings::module {
-    compat::this_module()
+/// A module parameter's value.
+macro_rules! param {
+    ($name:ident) => {
+        params::Param::$name.value()
+    };
 }
 
 /// The module: its core registrations and its debugfs files.
@@ -167,162 +117,134 @@ struct NvidiaPeermem {
     // After the clients: no callback can be armed; before the reaper: the
     // callbacks that handed it references have returned.
     _callbacks: Option<p2p::CallbackFence>,
-    _reaper: reaper::ReapQueue,
-    // After the clients and the reaper: no registration uses a window.
-    _windows: bar_window::Windows,
+    _reaper: ReapQueue,
+    // After the clients and the reaper: no registration is charged any more.
+    _watch: accounting::Watch,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
-    _cache: reg_ref::RegCache,
-    _stats: Pin<KBox<File<()>>>,
-    _paths: Pin<KBox<File<()>>>,
-    _gpus: Pin<KBox<File<()>>>,
-    _processes: Pin<KBox<File<()>>>,
+    _cache: RegCache,
+    _files: [Pin<KBox<File<()>>>; 4],
     _dir: Dir,
 }
 
-fn show_stats(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+type Formatter<'a> = core::fmt::Formatter<'a>;
+
+/// debugfs `stats`: the counters, and the parameters (also in
+/// /sys/module/nvidia_peermem/parameters/).
+fn show_stats((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
     stats::STATS.show(f)?;
-    // Rust module parameters have no /sys/module/*/parameters files (7.3):
-    // tools read them here.
-    writeln!(
-        f,
-        "param_persistent_api_support {}",
-        compat::param::<i32>(module_parameters::persistent_api_support.value())
-    )?;
-    writeln!(
-        f,
-        "param_peerdirect_support {}",
-        compat::param::<i32>(module_parameters::peerdirect_support.value())
-    )?;
-    writeln!(
-        f,
-        "param_path_policy {}",
-        compat::param::<i32>(module_parameters::path_policy.value())
-    )?;
-    writeln!(
-        f,
-        "param_path_accounting {}",
-        compat::param::<i32>(module_parameters::path_accounting.value())
-    )?;
-    writeln!(
-        f,
-        "param_allow_unverified_paths {}",
-        compat::param::<i32>(module_parameters::allow_unverified_paths.value())
-    )?;
-    writeln!(
-        f,
-        "param_pair_table_slots {}",
-        compat::param::<i32>(module_parameters::pair_table_slots.value())
-    )
+    params::Param::ALL
+        .iter()
+        .try_for_each(|(p, name)| writeln!(f, "param_{name} {}", p.value()))
 }
 
-fn show_paths(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+fn show_paths((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
     accounting::show_paths(f)
 }
 
-fn show_gpus(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+fn show_gpus((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
     accounting::show_gpus(f)
 }
 
-fn show_processes(_: &(), f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+fn show_processes((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
     accounting::show_processes(f)
 }
 
 /// Reads and checks the path parameters and copies them where the
 /// registrations read them; called at load, before any client is registered.
 fn path_parameters() -> Result {
-    let policy: i32 = compat::param(module_parameters::path_policy.value());
+    let policy = param!(PathPolicy);
     if !(0..=5).contains(&policy) {
         pr_err!(
             "invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n"
         );
         return Err(EINVAL);
     }
-    let accounting: i32 = compat::param(module_parameters::path_accounting.value());
-    let unverified: i32 = compat::param(module_parameters::allow_unverified_paths.value());
+    let (accounting, unverified) = (param!(PathAccounting), param!(AllowUnverifiedPaths));
     if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
         pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
         return Err(EINVAL);
     }
-    let slots: i32 = compat::param(module_parameters::pair_table_slots.value());
-    if !(1..=accounting::PAIRS as i32).contains(&slots) {
+    let slots = param!(PairTableSlots);
+    if !(1..=params::PAIRS as i32).contains(&slots) {
         pr_err!(
             "invalid parameter pair_table_slots={slots} (1..{})\n",
-            accounting::PAIRS
+            params::PAIRS
         );
         return Err(EINVAL);
     }
-    // Before any client is registered (no registration can read them
-    // earlier); validated above.
-    PATH_POLICY.store(policy as u32, atomics::Relaxed);
-    PATH_ACCOUNTING.store(accounting as u32, atomics::Relaxed);
-    ALLOW_UNVERIFIED.store(unverified as u32, atomics::Relaxed);
-    PAIR_SLOTS.store(slots as u32, atomics::Relaxed);
+    // Validated above.
+    params::set(params::PathParams {
+        policy: policy as u32,
+        accounting: accounting == 1,
+        unverified: unverified == 1,
+        pair_slots: slots as u32,
+    });
     Ok(())
+}
+
+/// Registers the clients of the mode the parameters chose; returns them and
+/// their description for the log.
+fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
+    let mut clients = KVec::new();
+    if persistent {
+        clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
+        return Ok((clients, "nv_mem (persistent)"));
+    }
+    let (table, text) = match legacy {
+        true => (
+            &NV_MEM_INVALIDATING_LEGACY,
+            "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
+        ),
+        false => (
+            &NV_MEM_INVALIDATING,
+            "nv_mem (invalidating), nv_mem_nc (persistent)",
+        ),
+    };
+    let link = Some(&core_link::INVALIDATING);
+    clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
+    clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
+    Ok((clients, text))
 }
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
-        let persistent: i32 = compat::param(module_parameters::persistent_api_support.value());
-        let legacy: i32 = compat::param(module_parameters::peerdirect_support.value());
+        let (persistent, legacy) = (param!(PersistentApiSupport), param!(PeerdirectSupport));
         if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
         path_parameters()?;
         let dir = Dir::new(c"nvidia_peermem");
-        let stats = KBox::pin_init(
-            dir.read_callback_file(c"stats", (), &show_stats),
-            GFP_KERNEL,
-        )?;
-        let paths = KBox::pin_init(
-            dir.read_callback_file(c"paths", (), &show_paths),
-            GFP_KERNEL,
-        )?;
-        let gpus = KBox::pin_init(dir.read_callback_file(c"gpus", (), &show_gpus), GFP_KERNEL)?;
-        let processes = KBox::pin_init(
-            dir.read_callback_file(c"processes", (), &show_processes),
-            GFP_KERNEL,
-        )?;
-        let cache = reg_ref::RegCache::new()?;
-        let reaper = reaper::ReapQueue::new()?;
-        let waitq = waitq::WaitQueue::new()?;
-        let windows = bar_window::Windows::new()?;
-        let mut clients = KVec::new();
-        if persistent == 1 {
-            clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
-        } else {
-            let table = if legacy == 1 {
-                &NV_MEM_INVALIDATING_LEGACY
-            } else {
-                &NV_MEM_INVALIDATING
-            };
-            clients.push(
-                CoreRegistration::new(table, Some(&INVALIDATING_LINK))?,
+        let files = [
+            KBox::pin_init(
+                dir.read_callback_file(c"stats", (), &show_stats),
                 GFP_KERNEL,
-            )?;
-            clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
-        }
-        let clients_text = match (persistent, legacy) {
-            (1, _) => "nv_mem (persistent)",
-            (_, 1) => "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
-            _ => "nv_mem (invalidating), nv_mem_nc (persistent)",
-        };
-        pr_info!(
-            "version {} loaded: {clients_text}\n",
-            env!("PEERMEM_VERSION")
-        );
+            )?,
+            KBox::pin_init(
+                dir.read_callback_file(c"paths", (), &show_paths),
+                GFP_KERNEL,
+            )?,
+            KBox::pin_init(dir.read_callback_file(c"gpus", (), &show_gpus), GFP_KERNEL)?,
+            KBox::pin_init(
+                dir.read_callback_file(c"processes", (), &show_processes),
+                GFP_KERNEL,
+            )?,
+        ];
+        let cache = RegCache::new::<Registration>()?;
+        let reaper = ReapQueue::new()?;
+        let waitq = waitq::WaitQueue::new()?;
+        let watch = accounting::Watch::new()?;
+        let (clients, text) = clients(persistent == 1, legacy == 1)?;
+        pr_info!("version {} loaded: {text}\n", env!("PEERMEM_VERSION"));
         Ok(Self {
             _clients: clients,
             _callbacks: (persistent != 1).then(p2p::CallbackFence::new),
             _reaper: reaper,
-            _windows: windows,
+            _watch: watch,
             _waitq: waitq,
             _cache: cache,
-            _stats: stats,
-            _paths: paths,
-            _gpus: gpus,
-            _processes: processes,
+            _files: files,
             _dir: dir,
         })
     }

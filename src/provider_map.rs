@@ -6,24 +6,60 @@
 use kernel::prelude::*;
 
 use crate::{
-    coalesce::{
-        Coalescer,
-        Segment, //
-    },
+    coalesce::Coalescer,
     compat,
-    device_map::DeviceMap,
     p2p::{
         DmaMapping,
         PageTable, //
     },
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
-    sg::SgSlot,
+    sg::{
+        SgSlot,
+        SlotTable, //
+    },
     stats::{
         fail,
         Cause, //
     },
 };
+
+/// The GPU driver's mapping of a persistent pin, with its scatterlist.
+///
+/// # Invariants
+///
+/// A `Run` mapping owns the registration's slot, which holds its one entry;
+/// a `Runs` mapping's [`SlotTable`] is in the registration's slot.
+pub(crate) enum ProviderMapping {
+    /// One segment.
+    Run { _run: ProviderRun },
+    /// Several segments (drop order: the mapping is undone first, then the
+    /// scatterlist freed).
+    Runs { _run: ProviderRun, sg: SlotTable },
+}
+
+impl ProviderMapping {
+    /// Hands the scatterlist's header to the core; returns its number of
+    /// entries.
+    ///
+    /// # Safety
+    ///
+    /// `head` must point to the core's table for this registration, and
+    /// `slot` be the slot this mapping was built with.
+    pub(crate) unsafe fn publish(
+        &self,
+        slot: &SgSlot,
+        head: *mut kernel::bindings::sg_table,
+    ) -> u32 {
+        match self {
+            // SAFETY: the slot holds this mapping's entry (type invariant);
+            // `head` as promised by the caller.
+            ProviderMapping::Run { .. } => unsafe { slot.publish(head) },
+            // SAFETY: as promised by the caller.
+            ProviderMapping::Runs { sg, .. } => unsafe { sg.publish(head) },
+        }
+    }
+}
 
 /// What `nvidia_p2p_dma_map_pages` gave for a persistent pin, undone on
 /// drop.
@@ -43,7 +79,6 @@ pub(crate) struct ProviderRun {
 unsafe impl Send for ProviderRun {}
 
 impl Drop for ProviderRun {
-    #[inline]
     fn drop(&mut self) {
         let Some(m) = self.mapping.take() else { return };
         // SAFETY: the table is still pinned and `m` was made from it and
@@ -60,7 +95,6 @@ impl Drop for ProviderRun {
 
 impl ProviderRun {
     /// The mapping's bus addresses, one per 64 KiB page.
-    #[inline(always)]
     fn addresses(&self) -> &[u64] {
         match &self.mapping {
             // SAFETY: checked, and valid until this object undoes it (type
@@ -69,20 +103,37 @@ impl ProviderRun {
             None => &[],
         }
     }
+}
 
-    /// Hands the core the one-entry table of this mapping, in `slot`.
-    ///
-    /// # Safety
-    ///
-    /// As for [`SgSlot::publish`]: `slot` holds this mapping's entry.
-    pub(crate) unsafe fn publish(
-        &self,
-        slot: &SgSlot,
-        head: *mut kernel::bindings::sg_table,
-    ) -> u32 {
-        // SAFETY: as promised by the caller.
-        unsafe { slot.publish(head) }
+/// The GPU driver's mapping of `table` (a persistent pin of `entries` pages)
+/// for `peer`, checked.
+///
+/// # Safety
+///
+/// `table` must be pinned until the returned mapping is dropped.
+unsafe fn driver_map(table: PageTable, entries: u32, peer: &PeerDevice) -> Result<ProviderRun> {
+    let pdev = peer.pci();
+    // SAFETY: the table is pinned (caller) and `peer` is live.
+    let mapping = unsafe { table.dma_map(pdev) }
+        .map_err(|e| fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
+    // SAFETY: the mapping was just made, valid until undone.
+    if let Err(m) = unsafe { mapping.check(entries) } {
+        // SAFETY: made just now from the pinned table for `pdev`.
+        if let Err(e) = unsafe { table.dma_unmap(pdev, mapping) } {
+            fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
+        }
+        return Err(fail!(
+            Cause::DmaMapping,
+            compat::eopnotsupp(),
+            "unsupported NVIDIA DMA mapping: {m:?}"
+        ));
     }
+    // INVARIANT: made for `pdev` from `table` and checked; from here on an
+    // early return drops the run and undoes it.
+    Ok(ProviderRun {
+        mapping: Some(mapping),
+        table,
+    })
 }
 
 /// Maps `table` (pinned persistently, `entries` pages) for `peer` through
@@ -100,52 +151,20 @@ pub(crate) unsafe fn map(
     entries: u32,
     peer: &PeerDevice,
     slot: &SgSlot,
-) -> Result<DeviceMap> {
-    let pdev = peer.pci();
-    if pdev.is_null() {
-        return Err(EINVAL);
-    }
-    // SAFETY: the table is pinned (caller) and `peer` is live.
-    let mapping = unsafe { table.dma_map(pdev) }
-        .map_err(|e| fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
-    // SAFETY: the mapping was just made, valid until undone.
-    if let Err(m) = unsafe { mapping.check(entries) } {
-        // SAFETY: made just now from the pinned table for `pdev`.
-        if let Err(e) = unsafe { table.dma_unmap(pdev, mapping) } {
-            fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
-        }
-        return Err(fail!(
-            Cause::DmaMapping,
-            compat::eopnotsupp(),
-            "unsupported NVIDIA DMA mapping: {m:?}"
-        ));
-    }
-    // INVARIANT: made for `pdev` from `table` and checked; from here on an
-    // early return drops `run` and undoes it.
-    let run = ProviderRun {
-        mapping: Some(mapping),
-        table,
-    };
-    let addrs = run.addresses();
-    let max_seg = peer.max_segment();
-    let first = match *addrs {
-        // One page is one segment (a page is never longer than a segment
-        // may be): no scan.
-        [addr] => Segment {
-            addr,
-            len: GPU_PAGE_SIZE,
-        },
-        _ => Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
-            .next()
-            .ok_or(EINVAL)?,
-    };
+) -> Result<ProviderMapping> {
+    // SAFETY: pinned as long (caller).
+    let run = unsafe { driver_map(table, entries, peer) }?;
+    let (addrs, max_seg) = (run.addresses(), peer.max_segment());
+    let first = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
+        .next()
+        .ok_or(EINVAL)?;
     // Pages after the first segment: each starts at most one more segment.
     let rest = addrs.len() - (first.len / GPU_PAGE_SIZE) as usize;
     if rest == 0 {
         // SAFETY: the slot is this mapping's (caller).
         unsafe { slot.fill(first) }
             .map_err(|e| fail!(Cause::NoMemory, e, "cannot build the scatterlist"))?;
-        return Ok(DeviceMap::ProviderRun(run));
+        return Ok(ProviderMapping::Run { _run: run });
     }
     // One pass over the addresses: the table is sized for one entry per
     // page left (as many as the C module allocates), filled as the
@@ -153,5 +172,5 @@ pub(crate) unsafe fn map(
     // SAFETY: the slot is this mapping's (caller) and outlives it.
     let sg = unsafe { slot.coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg) }
         .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
-    Ok(DeviceMap::Provider { _run: run, sg })
+    Ok(ProviderMapping::Runs { _run: run, sg })
 }

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
 //! The scatterlist handed to the peer-memory core: one entry per
-//! DMA-contiguous segment of GPU pages.
+//! DMA-contiguous segment of GPU pages, set up, walked and freed by the
+//! kernel's own `sg_init_table`, `sg_alloc_table`, `sg_next` and
+//! `sg_free_table`. There are no `struct page`s behind GPU BAR memory: only
+//! the entries' DMA fields (and length) are written.
 
 use core::{
     mem::ManuallyDrop,
@@ -15,182 +18,29 @@ use kernel::{
 };
 
 use crate::coalesce::{
-    segment_limit,
+    Coalescer,
     Segment, //
 };
 
-/// `page_link` bits (include/linux/scatterlist.h): the entry is a link to
-/// the next chunk of the table, or the table's last entry.
-const SG_CHAIN: kernel::ffi::c_ulong = 0x1;
-const SG_END: kernel::ffi::c_ulong = 0x2;
+/// The empty table.
+const EMPTY: bindings::sg_table = bindings::sg_table {
+    sgl: core::ptr::null_mut(),
+    nents: 0,
+    orig_nents: 0,
+};
 
-/// The most entries `sg_alloc_table` puts in one chunk: a table of up to
-/// this many is one array, not chained (`SG_MAX_SINGLE_ALLOC`,
-/// include/linux/scatterlist.h; lib/scatterlist.c, `__sg_alloc_table`
-/// chains only when more entries are left than a chunk holds).
-const SG_MAX_SINGLE_ALLOC: usize =
-    kernel::page::PAGE_SIZE / core::mem::size_of::<bindings::scatterlist>();
-
-/// Describes `seg` in the entry `sg` (length and DMA fields only: there is
-/// no `struct page` behind GPU BAR memory). Segments are bounded to
-/// `u32::MAX` by their producers; a longer one is refused.
+/// Describes the DMA range `addr`, `len` in the entry `sg`.
 ///
 /// # Safety
 ///
-/// `sg` must be a zeroed entry (`sg_alloc_table`'s, or a reset slot's) of a
-/// table the caller is filling, written by nothing else meanwhile.
-#[inline(always)]
-unsafe fn set_dma(sg: *mut bindings::scatterlist, seg: Segment) -> Result {
-    let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
-    // SAFETY: as promised by the caller.
-    unsafe { write_dma(sg, seg.addr, len) };
-    Ok(())
-}
-
-/// [`set_dma`] for a length already known to fit.
-///
-/// # Safety
-///
-/// As for [`set_dma`].
-#[inline(always)]
+/// `sg` must be an entry of a table the caller is filling, written by
+/// nothing else meanwhile.
 unsafe fn write_dma(sg: *mut bindings::scatterlist, addr: u64, len: u32) {
-    // SAFETY: as promised by the caller; `offset` is 0 already.
+    // SAFETY: as promised by the caller.
     unsafe {
         (*sg).length = len;
         (*sg).dma_address = addr;
         (*sg).dma_length = len;
-    }
-}
-
-/// Calls `put` with each run of pages of `page` bytes at the DMA addresses
-/// `addrs` that follow each other, in order, as
-/// [`Coalescer`](crate::coalesce::Coalescer) makes them (up to
-/// [`segment_limit`]`(max_seg, page)` bytes each, which a scatterlist
-/// length holds): one compare per page that continues a run, one call per
-/// run. Refuses an empty list and a page a scatterlist entry cannot
-/// describe.
-#[inline(always)]
-fn for_each_run(
-    addrs: &[u64],
-    page: u64,
-    max_seg: u64,
-    mut put: impl FnMut(u64, u32) -> Result,
-) -> Result {
-    let (&first, rest) = addrs.split_first().ok_or(EINVAL)?;
-    let limit = segment_limit(max_seg, page);
-    // A run is at most `limit` bytes, which is at most `u32::MAX` unless a
-    // page alone is longer: checked once here, not per run.
-    u32::try_from(limit).map_err(|_| EINVAL)?;
-    // The run so far is `addr..end`, `end` computed modulo 2^64: it is below
-    // `addr` exactly when the run reaches past the address space, where the
-    // checked sum of `Coalescer` fails and nothing follows. Its length,
-    // `end - addr` (also modulo 2^64), and `limit` are whole pages, so one
-    // more page fits while the length is below `limit`.
-    let (mut addr, mut end) = (first, first.wrapping_add(page));
-    for &a in rest {
-        if a == end && end > addr && end - addr < limit {
-            end = end.wrapping_add(page);
-            continue;
-        }
-        // `len <= limit <= u32::MAX` (above).
-        put(addr, end.wrapping_sub(addr) as u32)?;
-        (addr, end) = (a, a.wrapping_add(page));
-    }
-    put(addr, end.wrapping_sub(addr) as u32)
-}
-
-/// The entries of a table that `sg_alloc_table` just set up, in order, a
-/// chunk at a time: within a chunk the entries are one array, so the walk
-/// looks for a link only at a chunk's end (the kernel's `sg_next` tests
-/// every entry, in a call).
-///
-/// `__sg_alloc_table` (lib/scatterlist.c) allocates chunks of at most
-/// [`SG_MAX_SINGLE_ALLOC`] entries; a chunk with more entries after it
-/// holds one less, and its last slot is the link to the next chunk.
-///
-/// # Invariants
-///
-/// `cur..end` are zeroed entries of the table's current chunk that nothing
-/// else writes; if `after` is not 0, `end` is the chunk's link slot and
-/// `after` entries follow in later chunks.
-struct Entries {
-    cur: *mut bindings::scatterlist,
-    end: *mut bindings::scatterlist,
-    after: usize,
-}
-
-impl Entries {
-    /// The entries of `table`.
-    ///
-    /// # Safety
-    ///
-    /// `table` must have just been set up by `sg_alloc_table` (or be a reset
-    /// slot's one-entry table) and be written by nothing else while the
-    /// walk is used.
-    #[inline(always)]
-    unsafe fn new(table: &bindings::sg_table) -> Self {
-        let n = table.orig_nents as usize;
-        let here = Self::in_chunk(n);
-        // INVARIANT: the first chunk's entries (see the type's comment).
-        Self {
-            cur: table.sgl,
-            // SAFETY: `here` entries of the first chunk, at `sgl`.
-            end: unsafe { table.sgl.add(here) },
-            after: n - here,
-        }
-    }
-
-    /// The entries of a chunk with `left` entries from it to the table's
-    /// end.
-    #[inline(always)]
-    fn in_chunk(left: usize) -> usize {
-        if left > SG_MAX_SINGLE_ALLOC {
-            SG_MAX_SINGLE_ALLOC - 1
-        } else {
-            left
-        }
-    }
-
-    /// The next entry, `None` past the table's end.
-    #[inline(always)]
-    fn next(&mut self) -> Option<*mut bindings::scatterlist> {
-        if self.cur == self.end {
-            return self.next_chunk();
-        }
-        let e = self.cur;
-        // SAFETY: `cur < end`, within the chunk (type invariant).
-        self.cur = unsafe { self.cur.add(1) };
-        Some(e)
-    }
-
-    /// Entries not returned yet.
-    fn left(&self) -> usize {
-        // SAFETY: `cur..end` is within one chunk (type invariant).
-        let here = unsafe { self.end.offset_from(self.cur) } as usize;
-        here + self.after
-    }
-
-    /// Moves to the next chunk and returns its first entry.
-    #[cold]
-    fn next_chunk(&mut self) -> Option<*mut bindings::scatterlist> {
-        if self.after == 0 {
-            return None;
-        }
-        // SAFETY: `end` is the current chunk's link slot (type invariant).
-        let link = unsafe { (*self.end).page_link };
-        if link & SG_CHAIN == 0 {
-            // Not the layout `sg_alloc_table` makes: write nothing more.
-            return None;
-        }
-        let first = (link & !(SG_CHAIN | SG_END)) as *mut bindings::scatterlist;
-        let here = Self::in_chunk(self.after);
-        // INVARIANT: the next chunk's entries, `here` of the `after` left.
-        self.after -= here;
-        // SAFETY: `here >= 1` entries of the chunk at `first`.
-        self.cur = unsafe { first.add(1) };
-        // SAFETY: as above.
-        self.end = unsafe { first.add(here) };
-        Some(first)
     }
 }
 
@@ -207,9 +57,9 @@ union SlotData {
 /// needs no allocation for its table, and a longer one only its entries'.
 pub(crate) struct SgSlot(Opaque<SlotData>);
 
-// SAFETY: the slot is written only through an `SgTable` being built, and its
-// owner serializes that (the `SgTable::new` contract); it is read by the
-// core through the published header, and by nothing else.
+// SAFETY: the slot is written only through a table being built, and its
+// owner serializes that (the `fill` and `coalesced` contracts); it is read by
+// the core through the published header, and by nothing else.
 unsafe impl Send for SgSlot {}
 // SAFETY: as above.
 unsafe impl Sync for SgSlot {}
@@ -218,18 +68,6 @@ impl SgSlot {
     /// An empty slot.
     pub(crate) fn new() -> Self {
         Self(Opaque::zeroed())
-    }
-
-    /// Writes the one entry of a one-entry table for `seg` into the slot.
-    ///
-    /// # Safety
-    ///
-    /// Nothing else may write or publish the slot until the caller's map
-    /// that owns the entry is dropped (the registration's mapping, at most
-    /// one at a time).
-    pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
-        // SAFETY: the slot is ours to write (caller), and reset zeroes it.
-        unsafe { set_dma(self.reset(), seg) }
     }
 
     /// The slot as a one-entry table's entry.
@@ -242,6 +80,25 @@ impl SgSlot {
     fn header(&self) -> *mut bindings::sg_table {
         // As above.
         self.0.get().cast()
+    }
+
+    /// Makes the slot a one-entry table for `seg`.
+    ///
+    /// # Safety
+    ///
+    /// Nothing else may write or publish the slot until the caller's map
+    /// that owns the entry is dropped (the registration's mapping, at most
+    /// one at a time).
+    pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
+        let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+        let sg = self.entry();
+        // SAFETY: the slot is ours to write (caller): a zeroed entry marked
+        // as the list's end, then its DMA fields.
+        unsafe {
+            bindings::sg_init_table(sg, 1);
+            write_dma(sg, seg.addr, len);
+        }
+        Ok(())
     }
 
     /// Builds an allocated table as [`SgTable::coalesced`] does and keeps
@@ -262,26 +119,9 @@ impl SgSlot {
         // SAFETY: the slot is ours to write (caller); the header is a plain
         // value whose entries are elsewhere, now owned by the `SlotTable`.
         unsafe { self.header().write(t.table) };
-        // INVARIANT: the slot holds the header of an allocated table
-        // (`coalesced` allocates at least two entries), which nothing else
-        // frees (`t` is not dropped); it outlives the result (caller).
+        // INVARIANT: the slot holds the header of a table allocated by
+        // `sg_alloc_table`, which nothing else frees (`t` is not dropped).
         Ok(SlotTable(NonNull::from(self)))
-    }
-
-    /// Makes the slot an empty one-entry list and returns its entry.
-    ///
-    /// # Safety
-    ///
-    /// Nothing else may write or read the slot meanwhile.
-    unsafe fn reset(&self) -> *mut bindings::scatterlist {
-        let sg = self.entry();
-        // SAFETY: ours to write (caller); a zeroed entry with the end mark
-        // (bit 1 of `page_link`, `sg_mark_end`) is a one-entry list.
-        unsafe {
-            sg.write(core::mem::zeroed());
-            (*sg).page_link = SG_END;
-        }
-        sg
     }
 
     /// Hands the header of the one-entry table in the slot to the core's
@@ -293,11 +133,11 @@ impl SgSlot {
     /// slot must hold an entry written by [`SgSlot::fill`] for the mapping
     /// being published.
     pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) -> u32 {
-        // SAFETY: an all-zero `sg_table` is the empty table.
-        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
-        table.sgl = self.entry();
-        table.nents = 1;
-        table.orig_nents = 1;
+        let table = bindings::sg_table {
+            sgl: self.entry(),
+            nents: 1,
+            orig_nents: 1,
+        };
         // SAFETY: per the caller's guarantee.
         unsafe { *head = table };
         1
@@ -310,10 +150,8 @@ impl SgSlot {
 /// # Invariants
 ///
 /// The slot outlives this object and holds the header of a table set up by
-/// `sg_alloc_table` (or laid out as it does, by [`SgTable::coalesced_chunk`])
-/// for two or more entries, filled as an [`SgTable`]'s,
-/// that nothing else writes or frees while this object lives; it is freed
-/// exactly once, on drop.
+/// `sg_alloc_table`, filled as an [`SgTable`]'s, that nothing else writes or
+/// frees while this object lives; it is freed exactly once, on drop.
 pub(crate) struct SlotTable(NonNull<SgSlot>);
 
 // SAFETY: the table is plain memory owned by this object, its header in a
@@ -327,7 +165,6 @@ impl SlotTable {
     /// # Safety
     ///
     /// `head` must point to the core's table for this registration.
-    #[inline]
     pub(crate) unsafe fn publish(&self, head: *mut bindings::sg_table) -> u32 {
         // SAFETY: the slot is alive and holds the header (type invariant).
         let table = unsafe { *self.0.as_ref().header() };
@@ -339,34 +176,9 @@ impl SlotTable {
 
 impl Drop for SlotTable {
     fn drop(&mut self) {
-        // SAFETY: the slot is alive, holds the header of an allocated table
-        // not freed before (type invariant; this runs once).
-        unsafe { free_table(self.0.as_ref().header()) };
-    }
-}
-
-/// Frees an allocated table: what `sg_free_table` does, without its walk
-/// for a table of one chunk, which is one `kmalloc`'d array
-/// (lib/scatterlist.c: `sg_kmalloc` allocates a chunk of fewer than
-/// `SG_MAX_SINGLE_ALLOC` entries with `kmalloc_array`, and `sg_kfree`
-/// frees it with `kfree`).
-///
-/// # Safety
-///
-/// `table` must be the header of a table set up by `sg_alloc_table`, or by
-/// [`SgTable::coalesced_chunk`], for `orig_nents` entries, two or more, not
-/// freed before.
-#[inline(always)]
-unsafe fn free_table(table: *mut bindings::sg_table) {
-    // SAFETY: a valid header (caller).
-    let t = unsafe { &mut *table };
-    if (t.orig_nents as usize) < SG_MAX_SINGLE_ALLOC {
-        // SAFETY: one chunk, allocated with `kmalloc` (above, caller).
-        unsafe { bindings::kfree(t.sgl.cast()) };
-        t.sgl = core::ptr::null_mut();
-    } else {
-        // SAFETY: set up by `sg_alloc_table` (caller).
-        unsafe { bindings::sg_free_table(t) };
+        // SAFETY: the slot is alive and holds the header of a table from
+        // `sg_alloc_table`, not freed before (type invariant; this runs once).
+        unsafe { bindings::sg_free_table(self.0.as_ref().header()) };
     }
 }
 
@@ -375,13 +187,11 @@ unsafe fn free_table(table: *mut bindings::sg_table) {
 ///
 /// # Invariants
 ///
-/// `table` is empty (all zero); or has one entry (`orig_nents == 1`), in an
-/// [`SgSlot`] that outlives this object and that nothing else writes while
-/// it lives; or was set up by `sg_alloc_table` (or laid out as it does, by
-/// [`SgTable::coalesced_chunk`]) for `orig_nents` entries, two or more, and
-/// is freed exactly once, on drop. Its first `nents` entries
-/// (at most `orig_nents`) carry the DMA fields of the mapping, the others
-/// are empty (there are no `struct page`s behind GPU BAR memory).
+/// `table` has one entry (`orig_nents == 1`), in an [`SgSlot`] that outlives
+/// this object and that nothing else writes while it lives; or was set up by
+/// `sg_alloc_table` for `orig_nents` entries, two or more, and is freed
+/// exactly once, on drop. Its first `nents` entries (at most `orig_nents`)
+/// carry the DMA fields of the mapping, the others are empty.
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
@@ -391,6 +201,21 @@ pub(crate) struct SgTable {
 unsafe impl Send for SgTable {}
 
 impl SgTable {
+    /// A table of `n` entries, two or more, from `sg_alloc_table`.
+    fn alloc(n: usize) -> Result<Self> {
+        let n = u32::try_from(n).map_err(|_| EINVAL)?;
+        if n < 2 {
+            return Err(EINVAL);
+        }
+        let mut table = EMPTY;
+        // SAFETY: `table` is a valid, empty table.
+        kernel::error::to_result(unsafe {
+            bindings::sg_alloc_table(&mut table, n, bindings::GFP_KERNEL)
+        })?;
+        // INVARIANT: set up by `sg_alloc_table`, freed on drop.
+        Ok(Self { table })
+    }
+
     /// Builds a table of exactly `n` entries from `segs`, which must yield
     /// `n` segments; one entry goes into `slot`, more are allocated.
     ///
@@ -401,26 +226,23 @@ impl SgTable {
     pub(crate) unsafe fn new(
         slot: &SgSlot,
         n: usize,
-        segs: impl Iterator<Item = Segment>,
+        mut segs: impl Iterator<Item = Segment>,
     ) -> Result<Self> {
-        let nents = u32::try_from(n).map_err(|_| EINVAL)?;
-        // SAFETY: an all-zero `sg_table` is the empty table.
-        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
         if n == 1 {
+            let seg = segs.next().ok_or(EINVAL)?;
+            if segs.next().is_some() {
+                return Err(EINVAL);
+            }
             // SAFETY: the slot outlives the table and nobody else writes it
             // meanwhile (caller).
-            table.sgl = unsafe { slot.reset() };
-            table.nents = 1;
-            table.orig_nents = 1;
-        } else {
-            // SAFETY: `table` is a valid, empty table.
-            kernel::error::to_result(unsafe {
-                bindings::sg_alloc_table(&mut table, nents, bindings::GFP_KERNEL)
-            })?;
+            unsafe { slot.fill(seg) }?;
+            let mut this = Self { table: EMPTY };
+            // SAFETY: a valid header to write; the slot holds the entry.
+            unsafe { slot.publish(&mut this.table) };
+            // INVARIANT: one entry, in the caller's slot.
+            return Ok(this);
         }
-        // INVARIANT: one entry, in the caller's slot; or several, allocated
-        // above and freed on drop (also on the errors below).
-        let mut this = Self { table };
+        let mut this = Self::alloc(n)?;
         if this.fill(segs)? != n {
             return Err(EINVAL);
         }
@@ -429,112 +251,39 @@ impl SgTable {
 
     /// Builds an allocated table of at most `cap` entries (two or more) from
     /// the DMA addresses of consecutive pages of `page` bytes, one entry per
-    /// run of contiguous pages (up to [`segment_limit`]`(max_seg, page)`
-    /// bytes, as [`Coalescer`](crate::coalesce::Coalescer) makes them), in
-    /// one pass: the number of runs is only known once they are found. The
-    /// table's DMA view (`nents`) is the entries filled; the entries after
-    /// them stay empty (zero length) and are freed with the rest
-    /// (`orig_nents` is `cap`), as after `dma_map_sg` merged entries. The
-    /// core reads `nents` entries (it stores the count `dma_map` returns in
-    /// `nents`).
+    /// run of contiguous pages (up to `segment_limit(max_seg, page)`
+    /// bytes), in one pass: the number of runs is only known once they are
+    /// found. The table's DMA view (`nents`) is the entries filled; the
+    /// entries after them stay empty and are freed with the rest, as after
+    /// `dma_map_sg` merged entries. The core reads `nents` entries.
     pub(crate) fn coalesced(cap: usize, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
-        let cap32 = u32::try_from(cap).map_err(|_| EINVAL)?;
-        if cap < 2 || addrs.is_empty() {
+        if addrs.is_empty() {
             return Err(EINVAL);
         }
-        if cap < SG_MAX_SINGLE_ALLOC {
-            return Self::coalesced_chunk(cap32, addrs, page, max_seg);
-        }
-        // SAFETY: an all-zero `sg_table` is the empty table.
-        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
-        // SAFETY: `table` is a valid, empty table.
-        kernel::error::to_result(unsafe {
-            bindings::sg_alloc_table(&mut table, cap32, bindings::GFP_KERNEL)
-        })?;
-        // INVARIANT: allocated above, freed on drop (also on the errors
-        // below).
-        let mut this = Self { table };
-        // SAFETY: just set up; only this walk writes it.
-        let mut free = unsafe { Entries::new(&this.table) };
-        for_each_run(addrs, page, max_seg, |addr, len| {
-            let e = free.next().ok_or(EINVAL)?;
-            // SAFETY: a zeroed entry of the table, written once.
-            unsafe { write_dma(e, addr, len) };
-            Ok(())
-        })?;
-        // At most `cap`, which fits a `u32` (above).
-        let filled = (cap - free.left()) as u32;
-        this.table.nents = filled;
-        Ok(this)
-    }
-
-    /// [`SgTable::coalesced`] for a table of one chunk (`cap` from 2 to
-    /// `SG_MAX_SINGLE_ALLOC - 1` entries), laid out as `sg_alloc_table`
-    /// makes it without its zeroing pass: one `kmalloc`'d array
-    /// (lib/scatterlist.c: `sg_kmalloc` allocates such a chunk with
-    /// `kmalloc_array`, and `sg_free_table` frees it with `kfree`, see
-    /// `Drop`), each entry written whole as it is filled, the entries after
-    /// the last run zeroed, the end mark on the array's last entry.
-    #[inline(always)]
-    fn coalesced_chunk(cap: u32, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
-        let n = cap as usize;
-        // SAFETY: a plain allocation of `n` entries, fewer than a page's
-        // worth (`n < SG_MAX_SINGLE_ALLOC`).
-        let sgl = unsafe { crate::ffi::peermem_sg_chunk_alloc(cap) };
-        if sgl.is_null() {
-            return Err(ENOMEM);
-        }
-        // SAFETY: an all-zero `sg_table` is the empty table.
-        let mut table: bindings::sg_table = unsafe { core::mem::zeroed() };
-        table.sgl = sgl;
-        table.orig_nents = cap;
-        // INVARIANT: one `kmalloc`'d chunk of `cap` entries, freed on drop
-        // (also on the errors below, before any entry is read).
-        let mut this = Self { table };
-        let mut next = sgl;
-        // SAFETY: `sgl + n` is the end of the allocation.
-        let end = unsafe { sgl.add(n) };
-        for_each_run(addrs, page, max_seg, |addr, len| {
-            if next == end {
-                return Err(EINVAL);
-            }
-            // SAFETY: an entry of the array, written whole once: a DMA-only
-            // entry (no page) that is not the last of the list.
-            unsafe {
-                next.write(bindings::scatterlist {
-                    length: len,
-                    dma_address: addr,
-                    dma_length: len,
-                    ..core::mem::zeroed()
-                });
-                next = next.add(1);
-            }
-            Ok(())
-        })?;
-        // SAFETY: `next` is within the array or its end.
-        let filled = unsafe { next.offset_from(sgl) } as usize;
-        // SAFETY: the entries `filled..n` of the array, none written yet,
-        // zeroed as `sg_init_table` would; then the end mark (bit 1 of
-        // `page_link`, `sg_mark_end`) on the last one.
-        unsafe {
-            core::ptr::write_bytes(next, 0, n - filled);
-            (*sgl.add(n - 1)).page_link |= SG_END;
-        }
+        let mut this = Self::alloc(cap)?;
+        let filled = this.fill(Coalescer::new(addrs, page, max_seg))?;
+        // At most `cap`, which fits a `u32` (checked by `alloc`).
         this.table.nents = filled as u32;
         Ok(this)
     }
 
-    /// Fills the table's entries in order from `segs`, which must not yield
-    /// more than `orig_nents`; returns how many it filled.
+    /// Fills the table's entries in order with `segs`; refuses more than
+    /// the table holds, or a segment an entry cannot describe. Returns the
+    /// number of entries filled.
     fn fill(&mut self, segs: impl Iterator<Item = Segment>) -> Result<usize> {
-        // SAFETY: `new` just set the table up; only this walk writes it.
-        let mut free = unsafe { Entries::new(&self.table) };
-        let mut filled = 0;
+        let (mut next, mut filled) = (self.table.sgl, 0usize);
         for seg in segs {
-            let e = free.next().ok_or(EINVAL)?;
-            // SAFETY: a zeroed entry of the table, written once.
-            unsafe { set_dma(e, seg) }?;
+            let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
+            if next.is_null() || filled == self.table.orig_nents as usize {
+                return Err(EINVAL);
+            }
+            // SAFETY: an entry of this table (walked by `sg_next` from its
+            // first), written once; only this walk writes the table.
+            unsafe { write_dma(next, seg.addr, len) };
             filled += 1;
+            // SAFETY: as above; `sg_next` follows the chain links that
+            // `sg_alloc_table` made, and gives NULL after the last entry.
+            next = unsafe { bindings::sg_next(next) };
         }
         Ok(filled)
     }
@@ -557,12 +306,10 @@ impl SgTable {
 
 impl Drop for SgTable {
     fn drop(&mut self) {
-        if self.table.orig_nents <= 1 {
-            // Empty, or one entry in the registration's slot: nothing to free.
-            return;
+        if self.table.orig_nents > 1 {
+            // SAFETY: set up by `sg_alloc_table` and not freed before (type
+            // invariant; this runs once).
+            unsafe { bindings::sg_free_table(&mut self.table) };
         }
-        // SAFETY: allocated, two or more entries, and not freed before (type
-        // invariant; this runs once).
-        unsafe { free_table(&mut self.table) };
     }
 }

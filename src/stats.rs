@@ -5,219 +5,159 @@
 
 use core::fmt;
 
-use crate::atomics::{
-    Atomic,
-    Relaxed, //
+use kernel::{
+    str::CStrExt as _,
+    sync::atomic::{
+        Atomic,
+        Relaxed, //
+    },
 };
 
-/// Why a call failed, for counting and for logging once.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Cause {
-    /// The range is empty or overflows.
-    BadRange,
-    /// The provider refused to pin.
-    Pin,
-    /// The provider's page table has an unknown version or page size.
-    PageTable,
-    /// The `dma_device` is not a PCI device.
-    NotPci,
-    /// The provider refused to DMA-map.
-    DmaMap,
-    /// The provider's DMA mapping has an unknown version or page size.
-    DmaMapping,
-    /// Out of memory building the scatterlist or the context.
-    NoMemory,
-    /// The GPU memory was freed during registration.
-    Revoked,
-    /// The provider failed to unpin or unmap.
-    Unpin,
-    /// The core called out of order.
-    Order,
-    /// The path policy refused the GPU/peer pair.
-    PathPolicy,
-    Topology,
-}
-
-const CAUSES: usize = 12;
-
-impl Cause {
-    fn index(self) -> usize {
-        self as usize
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Cause::BadRange => "bad_range",
-            Cause::Pin => "pin",
-            Cause::PageTable => "page_table",
-            Cause::NotPci => "not_pci",
-            Cause::DmaMap => "dma_map",
-            Cause::DmaMapping => "dma_mapping",
-            Cause::NoMemory => "no_memory",
-            Cause::Revoked => "revoked",
-            Cause::Unpin => "unpin",
-            Cause::Order => "order",
-            Cause::PathPolicy => "path_policy",
-            Cause::Topology => "topology",
+/// Declares the counters: each a field of [`Stats`], shown under its name.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $name:ident,)*) => {
+        /// The module's counters.
+        pub(crate) struct Stats {
+            $($(#[doc = $doc])* pub(crate) $name: Atomic<u64>,)*
+            failures: [Atomic<u64>; CAUSES],
+            logged: [Atomic<u32>; CAUSES],
         }
-    }
 
-    const ALL: [Cause; CAUSES] = [
-        Cause::BadRange,
-        Cause::Pin,
-        Cause::PageTable,
-        Cause::NotPci,
-        Cause::DmaMap,
-        Cause::DmaMapping,
-        Cause::NoMemory,
-        Cause::Revoked,
-        Cause::Unpin,
-        Cause::Order,
-        Cause::PathPolicy,
-        Cause::Topology,
-    ];
+        impl Stats {
+            const fn new() -> Self {
+                Self {
+                    $($name: Atomic::new(0),)*
+                    failures: [const { Atomic::new(0) }; CAUSES],
+                    logged: [const { Atomic::new(0) }; CAUSES],
+                }
+            }
+
+            fn plain(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+                [$((stringify!($name), self.$name.load(Relaxed)),)*].into_iter()
+            }
+        }
+    };
 }
 
-/// The module's counters.
-pub(crate) struct Stats {
+/// Declares the causes of failure, each counted as `fail_<name>`.
+macro_rules! causes {
+    ($($(#[doc = $doc:literal])* $cause:ident = $name:literal,)*) => {
+        /// Why a call failed, for counting and for logging once.
+        #[derive(Clone, Copy, Debug)]
+        pub(crate) enum Cause {
+            $($(#[doc = $doc])* $cause,)*
+        }
+
+        const CAUSES: usize = [$($name,)*].len();
+        const CAUSE_NAMES: [&str; CAUSES] = [$($name,)*];
+    };
+}
+
+causes! {
+    /// The range is empty or overflows.
+    BadRange = "bad_range",
+    /// The provider refused to pin.
+    Pin = "pin",
+    /// The provider's page table has an unknown version or page size.
+    PageTable = "page_table",
+    /// The `dma_device` is not a PCI device.
+    NotPci = "not_pci",
+    /// The provider refused to DMA-map.
+    DmaMap = "dma_map",
+    /// The provider's DMA mapping has an unknown version or page size.
+    DmaMapping = "dma_mapping",
+    /// Out of memory building the scatterlist or the context.
+    NoMemory = "no_memory",
+    /// The GPU memory was freed during registration.
+    Revoked = "revoked",
+    /// The provider failed to unpin or unmap.
+    Unpin = "unpin",
+    /// The core called out of order.
+    Order = "order",
+    /// The path policy refused the GPU/peer pair.
+    PathPolicy = "path_policy",
+    /// The GPU driver's topology gate refuses the GPU/peer pair.
+    Topology = "topology",
+}
+
+counters! {
     /// Bytes currently pinned (64 KiB granules).
-    pub(crate) pinned_bytes: Atomic<u64>,
+    pinned_bytes,
     /// Ranges claimed by `acquire`.
-    pub(crate) acquired: Atomic<u64>,
+    acquired,
     /// Ranges `acquire` declined (not GPU memory, or not ours).
-    pub(crate) declined: Atomic<u64>,
+    declined,
     /// Registrations that reached the mapped state.
-    pub(crate) registrations: Atomic<u64>,
+    registrations,
     /// Registrations released.
-    pub(crate) releases: Atomic<u64>,
+    releases,
     /// Free callbacks received from the GPU driver.
-    pub(crate) invalidations: Atomic<u64>,
+    invalidations,
     /// Calls of the core's invalidate hook.
-    pub(crate) core_invalidations: Atomic<u64>,
+    core_invalidations,
     /// Scatterlist entries handed out.
-    pub(crate) sg_entries: Atomic<u64>,
-    /// Non-persistent mappings made in a pair's whole-BAR window
-    /// (`bar_window`) instead of a DMA mapping of their own.
-    pub(crate) window_maps: Atomic<u64>,
+    sg_entries,
     /// Releases in another process than the pinning one (the GPU driver's
     /// unpin would do nothing there): the pin waited for the free callback.
-    pub(crate) foreign_releases: Atomic<u64>,
+    foreign_releases,
     /// Pins left to the free callback by such releases, still waiting.
-    pub(crate) orphaned_pins: Atomic<u64>,
+    orphaned_pins,
     /// Pins whose unpin failed, still waiting for the free callback.
-    pub(crate) stranded_pins: Atomic<u64>,
+    stranded_pins,
     /// Persistent pins whose unpin failed (lost to the client).
-    pub(crate) leaked_pins: Atomic<u64>,
+    leaked_pins,
     /// Calls of the core that found a persistent registration busy with
-    /// another of its calls (see `access`): 0 unless the core breaks its
-    /// one-call-at-a-time order.
-    pub(crate) claim_waits: Atomic<u64>,
+    /// another of its calls (see `registration`): 0 unless the core breaks
+    /// its one-call-at-a-time order.
+    claim_waits,
     /// Calls of the core on a registration through the other client of the
     /// module than the one whose `acquire` made it (see `client::called`):
     /// 0 with a core that keeps a registration's client, as OFED's does.
-    pub(crate) crossed_calls: Atomic<u64>,
-    /// Of `window_maps`, those made in one section of the registration's
-    /// lock (at most `WINDOW_RUN_PAGES` pages; see `registration`).
-    pub(crate) single_section_maps: Atomic<u64>,
+    crossed_calls,
     /// Persistent pins made to ask the GPU driver's topology gate about a
     /// GPU's peers (see `topology::learn_gate`): one per GPU per load.
-    pub(crate) topology_probes: Atomic<u64>,
-    failures: [Atomic<u64>; CAUSES],
-    logged: [Atomic<u32>; CAUSES],
+    topology_probes,
 }
 
 /// The counters of this module.
 pub(crate) static STATS: Stats = Stats::new();
 
 impl Stats {
-    const fn new() -> Self {
-        Self {
-            pinned_bytes: Atomic::new(0),
-            acquired: Atomic::new(0),
-            declined: Atomic::new(0),
-            registrations: Atomic::new(0),
-            releases: Atomic::new(0),
-            invalidations: Atomic::new(0),
-            core_invalidations: Atomic::new(0),
-            sg_entries: Atomic::new(0),
-            window_maps: Atomic::new(0),
-            foreign_releases: Atomic::new(0),
-            orphaned_pins: Atomic::new(0),
-            stranded_pins: Atomic::new(0),
-            leaked_pins: Atomic::new(0),
-            claim_waits: Atomic::new(0),
-            crossed_calls: Atomic::new(0),
-            topology_probes: Atomic::new(0),
-            single_section_maps: Atomic::new(0),
-            failures: [const { Atomic::new(0) }; CAUSES],
-            logged: [const { Atomic::new(0) }; CAUSES],
-        }
-    }
-
     /// Counts a failure; true the first time for this cause (log it then).
     pub(crate) fn fail(&self, cause: Cause) -> bool {
-        self.failures[cause.index()].add(1, Relaxed);
-        self.logged[cause.index()].xchg(1, Relaxed) == 0
-    }
-
-    /// Failures counted for `cause`.
-    pub(crate) fn failures(&self, cause: Cause) -> u64 {
-        self.failures[cause.index()].load(Relaxed)
+        self.failures[cause as usize].add(1, Relaxed);
+        self.logged[cause as usize].xchg(1, Relaxed) == 0
     }
 
     /// Writes every counter as a `name value` line.
     pub(crate) fn show(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Registrations the core holds: acquired and not yet released (one
-        // counter fewer to update per registration). Releases are read first,
-        // so a concurrent registration never makes this negative.
+        // Registrations the core holds: acquired and not yet released.
+        // Releases are read first, so a concurrent registration never makes
+        // this negative.
         let released = self.releases.load(Relaxed);
-        writeln!(
-            f,
-            "live_registrations {}",
-            self.acquired.load(Relaxed).saturating_sub(released)
-        )?;
-        let plain = [
-            ("pinned_bytes", &self.pinned_bytes),
-            ("acquired", &self.acquired),
-            ("declined", &self.declined),
-            ("registrations", &self.registrations),
-            ("releases", &self.releases),
-            ("invalidations", &self.invalidations),
-            ("core_invalidations", &self.core_invalidations),
-            ("sg_entries", &self.sg_entries),
-            ("window_maps", &self.window_maps),
-            ("single_section_maps", &self.single_section_maps),
-            ("foreign_releases", &self.foreign_releases),
-            ("orphaned_pins", &self.orphaned_pins),
-            ("stranded_pins", &self.stranded_pins),
-            ("leaked_pins", &self.leaked_pins),
-            ("claim_waits", &self.claim_waits),
-            ("crossed_calls", &self.crossed_calls),
-            ("topology_probes", &self.topology_probes),
-        ];
-        for (name, v) in plain {
-            writeln!(f, "{name} {}", v.load(Relaxed))?;
+        let live = self.acquired.load(Relaxed).saturating_sub(released);
+        writeln!(f, "live_registrations {live}")?;
+        for (name, v) in self.plain() {
+            writeln!(f, "{name} {v}")?;
         }
-        writeln!(f, "bar_windows {}", crate::bar_window::live())?;
-        for c in Cause::ALL {
-            writeln!(f, "fail_{} {}", c.name(), self.failures(c))?;
+        for (name, n) in CAUSE_NAMES.iter().zip(&self.failures) {
+            writeln!(f, "fail_{name} {}", n.load(Relaxed))?;
         }
         Ok(())
     }
 }
 
 /// Counts `err` under `cause` and logs the first occurrence of each cause at
-/// error level; later ones are only counted. Out of line and cold, so that
-/// the hot paths that can fail stay compact.
+/// error level; later ones are only counted.
 macro_rules! fail {
     ($cause:expr, $err:expr, $($fmt:tt)*) => {
         $crate::stats::failed($cause, $err, ::core::format_args!($($fmt)*))
     };
 }
+pub(crate) use fail;
 
 /// The body of [`fail!`].
 #[cold]
-#[inline(never)]
 pub(crate) fn failed(
     cause: Cause,
     err: kernel::error::Error,
@@ -230,12 +170,11 @@ pub(crate) fn failed(
     }
     err
 }
-pub(crate) use fail;
 
 /// Per-registration detail through the module's dynamic-debug call site.
 macro_rules! reg_dbg {
     ($($fmt:tt)*) => {{
-        // SAFETY: no preconditions.
+        // SAFETY: NULL asks whether the call site is enabled, printing nothing.
         if unsafe { $crate::ffi::peermem_dbg(core::ptr::null()) } {
             $crate::stats::debug_line(::core::format_args!($($fmt)*));
         }
@@ -243,26 +182,11 @@ macro_rules! reg_dbg {
 }
 pub(crate) use reg_dbg;
 
-/// Formats a debug line into a small buffer and prints it.
+/// Prints a debug line through the module's dynamic-debug call site.
 #[cold]
-#[inline(never)]
 pub(crate) fn debug_line(args: fmt::Arguments<'_>) {
-    struct Buf {
-        b: [u8; 160],
-        n: usize,
+    if let Ok(line) = kernel::str::CString::try_from_fmt(args) {
+        // SAFETY: a NUL-terminated string, alive during the call.
+        unsafe { crate::ffi::peermem_dbg(line.as_char_ptr()) };
     }
-    impl fmt::Write for Buf {
-        fn write_str(&mut self, s: &str) -> fmt::Result {
-            let room = self.b.len() - 1 - self.n;
-            let take = core::cmp::min(room, s.len());
-            self.b[self.n..self.n + take].copy_from_slice(&s.as_bytes()[..take]);
-            self.n += take;
-            Ok(())
-        }
-    }
-    let mut buf = Buf { b: [0; 160], n: 0 };
-    let _ = fmt::write(&mut buf, args);
-    buf.b[buf.n] = 0;
-    // SAFETY: `buf.b` is NUL-terminated.
-    unsafe { crate::ffi::peermem_dbg(buf.b.as_ptr()) };
 }

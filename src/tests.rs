@@ -636,6 +636,11 @@ mod lifecycle_tests {
             }
             _ => (),
         }
+        reach_bound(l, phase, persistent)
+    }
+
+    /// [`reach`] for the phases from Bound on, from a pinned lifecycle `l`.
+    fn reach_bound(mut l: Lc, phase: Phase, persistent: bool) -> Option<Lc> {
         let _ = l.bind(CTX);
         match phase {
             Phase::Bound => (),
@@ -664,191 +669,242 @@ mod lifecycle_tests {
         Some(l)
     }
 
+    /// The drops of the tokens made by [`Case::at`].
+    static CASE_DROPS: Atomic<usize> = Atomic::new(0);
+
+    fn drops() -> usize {
+        CASE_DROPS.load(Relaxed)
+    }
+
+    /// `l` is in phase `want` and holds exactly that phase's objects.
+    fn is_at(l: &Lc, want: Phase) {
+        assert_eq!(l.phase(), want);
+        assert!(l.consistent());
+    }
+
+    /// One phase (of a persistent pin or not), and what every call must find
+    /// there.
+    struct Case {
+        p: Phase,
+        persistent: bool,
+        refusal: Refusal,
+        /// The lifecycle holds the callback's reference from the pin until
+        /// an unpin or the callback ends it.
+        holds: bool,
+        pinned: bool,
+        mapped: bool,
+    }
+
+    impl Case {
+        fn new(p: Phase, persistent: bool) -> Self {
+            use Phase::*;
+            let holds = matches!(
+                p,
+                Pinned | Unusable | Bound | Mapping | Mapped | Unpinning | Stranded | Orphaned
+            );
+            Self {
+                p,
+                persistent,
+                refusal: if p == Revoked {
+                    Refusal::Revoked
+                } else {
+                    Refusal::Forbidden(p)
+                },
+                holds: !persistent && holds,
+                pinned: matches!(p, Pinned | Unusable | Bound | Mapped),
+                mapped: p == Mapped,
+            }
+        }
+
+        /// A lifecycle in this phase, holding exactly its objects.
+        fn at(&self) -> Lc {
+            let l = reach(self.p, self.persistent, &CASE_DROPS).unwrap_or_else(Lc::new);
+            assert!(l.consistent());
+            l
+        }
+
+        /// The phase after a call: `next` if it was legal, else this one.
+        fn moved(&self, legal: bool, next: Phase) -> Phase {
+            if legal {
+                next
+            } else {
+                self.p
+            }
+        }
+
+        /// The result of a call legal only when `ok`.
+        fn refused<T>(&self, ok: bool, v: T) -> Result<T, Refusal> {
+            if ok {
+                Ok(v)
+            } else {
+                Err(self.refusal)
+            }
+        }
+
+        /// start_pin / pin_failed / pin_succeeded: only while pinning.
+        fn pin_calls(&self) {
+            let mut l = self.at();
+            let ok = self.p == Phase::Acquired;
+            assert_eq!(l.start_pin(), self.refused(ok, ()));
+            is_at(&l, self.moved(ok, Phase::Pinning));
+            let mut l = self.at();
+            l.pin_failed();
+            is_at(&l, self.moved(self.p == Phase::Pinning, Phase::Acquired));
+            let mut l = self.at();
+            let ok = self.p == Phase::Pinning;
+            assert_eq!(
+                l.pin_succeeded(pin(self.persistent, &CASE_DROPS)).is_ok(),
+                ok
+            );
+            is_at(&l, self.moved(ok, Phase::Pinned));
+        }
+
+        /// get_pages: reads the table, binds or rejects, only Pinned.
+        fn get_pages_calls(&self) {
+            let l = self.at();
+            let ok = self.p == Phase::Pinned;
+            assert_eq!(l.pinned_table(), self.refused(ok, &TABLE));
+            let mut l = self.at();
+            assert_eq!(l.bind(CTX), self.refused(ok, ()));
+            is_at(&l, self.moved(ok, Phase::Bound));
+            let mut l = self.at();
+            l.reject();
+            is_at(&l, self.moved(ok, Phase::Unusable));
+        }
+
+        /// dma_map: only once bound.
+        fn dma_map_calls(&self) {
+            let mut l = self.at();
+            let ok = self.p == Phase::Bound;
+            assert_eq!(l.start_map(), self.refused(ok, &TABLE));
+            is_at(&l, self.moved(ok, Phase::Mapping));
+            let mut l = self.at();
+            l.map_failed();
+            is_at(&l, self.moved(self.p == Phase::Mapping, Phase::Bound));
+            let mut l = self.at();
+            let ok = self.p == Phase::Mapping;
+            let r = l.map_succeeded(MAP + 1);
+            assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
+            is_at(&l, self.moved(ok, Phase::Mapped));
+        }
+
+        /// dma_unmap and put_pages: hand the map back once, never unpin.
+        fn unmap_calls(&self) {
+            let map = self.mapped.then_some(MAP);
+            let mut l = self.at();
+            assert_eq!(l.map(), map.as_ref());
+            assert_eq!(l.unmap(), map);
+            assert_eq!(l.unmap(), None);
+            assert_eq!(l.put_pages(), None);
+            is_at(&l, self.moved(self.mapped, Phase::Bound));
+            let mut l = self.at();
+            assert_eq!(l.put_pages(), map);
+            assert_eq!(l.revoked_map_mut(), None);
+        }
+
+        /// What the free callback must do here, what it hands back, and the
+        /// phase after it.
+        fn invalidation(&self) -> (Invalidate, Option<u32>, Phase) {
+            use Phase::*;
+            match self.p {
+                Acquired => (Invalidate::Quiet, None, Acquired),
+                Pinning => (Invalidate::Quiet, None, Revoked),
+                Pinned | Unusable => (Invalidate::Quiet, Some(TABLE), Revoked),
+                Bound | Mapping | Mapped => (Invalidate::NotifyCore(CTX), Some(TABLE), Revoked),
+                Stranded => (Invalidate::Reaped { orphaned: false }, None, Released),
+                Orphaned => (Invalidate::Reaped { orphaned: true }, Some(TABLE), Released),
+                p => (Invalidate::Quiet, None, p),
+            }
+        }
+
+        /// The free callback: drops the reference it consumes.
+        fn callback(&self) {
+            let mut l = self.at();
+            let (action, table, next) = self.invalidation();
+            let before = drops();
+            assert_eq!(l.invalidate(), (action, table));
+            assert_eq!(drops() - before, usize::from(self.holds));
+            is_at(&l, next);
+            assert!(!l.callback_armed());
+            let map = self.mapped.then_some(MAP);
+            assert_eq!(l.revoked_map_mut().copied(), map);
+            assert_eq!(l.revoked_map_mut().copied(), map);
+            assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
+        }
+
+        /// release, by the owner and by another process: unpins only a pin
+        /// it holds, non-persistent ones only in the owner's process; never
+        /// drops the reference.
+        fn release_calls(&self, tgid: u32) {
+            let mut l = self.at();
+            let before = drops();
+            let r = l.release(tgid);
+            let (pinned, persistent) = (self.pinned, self.persistent);
+            let orphan = pinned && !persistent && tgid == OTHER;
+            assert_eq!(r.map, self.mapped.then_some(MAP));
+            assert_eq!(r.unpin, (pinned && !orphan).then_some(TABLE));
+            assert_eq!(r.orphaned, orphan);
+            // A persistent pin's lifecycle ends with its release.
+            assert_eq!(r.ended, pinned && persistent);
+            let next = match self.p {
+                _ if orphan => Phase::Orphaned,
+                _ if pinned && persistent => Phase::Released,
+                _ if pinned => Phase::Unpinning,
+                Phase::Acquired | Phase::Revoked | Phase::Released => Phase::Released,
+                p => p,
+            };
+            is_at(&l, next);
+            assert_eq!(l.callback_armed(), self.holds);
+            assert_eq!(drops(), before);
+            let r = l.release(tgid);
+            assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+        }
+
+        /// The unpin's end: reclaims only after a successful unpin.
+        fn unpinned_calls(&self, ok: bool) {
+            let mut l = self.at();
+            let before = drops();
+            let (how, tok) = l.unpinned(ok);
+            let unpinning = self.p == Phase::Unpinning;
+            // Only a non-persistent pin is ever in Unpinning.
+            assert!(!(unpinning && self.persistent));
+            let (want, next) = match (unpinning, ok) {
+                (false, _) => (Unpinned::Raced, self.p),
+                (true, true) => (Unpinned::Reclaim, Phase::Released),
+                (true, false) => (Unpinned::Stranded, Phase::Stranded),
+            };
+            assert_eq!(how, want);
+            let reclaimed = want == Unpinned::Reclaim;
+            assert_eq!(token_id(&tok), reclaimed.then_some(TABLE));
+            assert_eq!(drops(), before);
+            is_at(&l, next);
+            assert_eq!(l.callback_armed(), self.holds && !reclaimed);
+        }
+    }
+
     #[test]
     fn every_phase_against_every_call() {
-        static DROPS: Atomic<usize> = Atomic::new(0);
-        let drops = || DROPS.load(Relaxed);
-        // `l` is in phase `want` and holds exactly that phase's objects.
-        let is_at = |l: &Lc, want: Phase| {
-            assert_eq!(l.phase(), want);
-            assert!(l.consistent());
-        };
         for persistent in [false, true] {
             for p in PHASES {
-                let Some(l) = reach(p, persistent, &DROPS) else {
+                let Some(l) = reach(p, persistent, &CASE_DROPS) else {
                     continue;
                 };
                 // Every phase holds exactly its objects, before and after
                 // every call.
-                let at = || {
-                    let l = reach(p, persistent, &DROPS).unwrap_or_else(Lc::new);
-                    assert!(l.consistent());
-                    l
-                };
                 assert_eq!(l.phase(), p);
                 drop(l);
-                let refusal = if p == Phase::Revoked {
-                    Refusal::Revoked
-                } else {
-                    Refusal::Forbidden(p)
-                };
-                // The lifecycle holds the callback's reference from the pin
-                // until an unpin or the callback ends it.
-                let holds = !persistent
-                    && matches!(
-                        p,
-                        Phase::Pinned
-                            | Phase::Unusable
-                            | Phase::Bound
-                            | Phase::Mapping
-                            | Phase::Mapped
-                            | Phase::Unpinning
-                            | Phase::Stranded
-                            | Phase::Orphaned
-                    );
-                assert_eq!(at().callback_armed(), holds);
-                let pinned = matches!(
-                    p,
-                    Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped
-                );
-                // The phase after a call: `next` if it was legal, else `p`.
-                let moved = |legal: bool, next: Phase| if legal { next } else { p };
-
-                // start_pin / pin_failed / pin_succeeded: only while pinning.
-                let mut l = at();
-                let ok = p == Phase::Acquired;
-                assert_eq!(l.start_pin(), if ok { Ok(()) } else { Err(refusal) });
-                is_at(&l, moved(ok, Phase::Pinning));
-                let mut l = at();
-                l.pin_failed();
-                is_at(&l, moved(p == Phase::Pinning, Phase::Acquired));
-                let mut l = at();
-                let ok = p == Phase::Pinning;
-                assert_eq!(l.pin_succeeded(pin(persistent, &DROPS)).is_ok(), ok);
-                is_at(&l, moved(ok, Phase::Pinned));
-
-                // get_pages: reads the table, binds or rejects, only Pinned.
-                let l = at();
-                let ok = p == Phase::Pinned;
-                assert_eq!(l.pinned_table(), if ok { Ok(&TABLE) } else { Err(refusal) });
-                let mut l = at();
-                assert_eq!(l.bind(CTX), if ok { Ok(()) } else { Err(refusal) });
-                is_at(&l, moved(ok, Phase::Bound));
-                let mut l = at();
-                l.reject();
-                is_at(&l, moved(ok, Phase::Unusable));
-
-                // dma_map: only once bound.
-                let mut l = at();
-                let ok = p == Phase::Bound;
-                assert_eq!(l.start_map(), if ok { Ok(&TABLE) } else { Err(refusal) });
-                is_at(&l, moved(ok, Phase::Mapping));
-                let mut l = at();
-                l.map_failed();
-                is_at(&l, moved(p == Phase::Mapping, Phase::Bound));
-                let mut l = at();
-                let ok = p == Phase::Mapping;
-                let r = l.map_succeeded(MAP + 1);
-                assert_eq!(r, if ok { Ok(()) } else { Err(MAP + 1) });
-                is_at(&l, moved(ok, Phase::Mapped));
-
-                // dma_unmap and put_pages: hand the map back once, never
-                // unpin.
-                let mapped = p == Phase::Mapped;
-                let mut l = at();
-                assert_eq!(l.map(), if mapped { Some(&MAP) } else { None });
-                assert_eq!(l.unmap(), if mapped { Some(MAP) } else { None });
-                assert_eq!(l.unmap(), None);
-                assert_eq!(l.put_pages(), None);
-                is_at(&l, moved(mapped, Phase::Bound));
-                let mut l = at();
-                assert_eq!(l.put_pages(), if mapped { Some(MAP) } else { None });
-                assert_eq!(l.revoked_map_mut(), None);
-
-                // The free callback: drops the reference it consumes.
-                let mut l = at();
-                let (action, table, next) = match p {
-                    Phase::Acquired => (Invalidate::Quiet, None, p),
-                    Phase::Pinning => (Invalidate::Quiet, None, Phase::Revoked),
-                    Phase::Pinned | Phase::Unusable => {
-                        (Invalidate::Quiet, Some(TABLE), Phase::Revoked)
-                    }
-                    Phase::Bound | Phase::Mapping | Phase::Mapped => {
-                        (Invalidate::NotifyCore(CTX), Some(TABLE), Phase::Revoked)
-                    }
-                    Phase::Stranded => (
-                        Invalidate::Reaped { orphaned: false },
-                        None,
-                        Phase::Released,
-                    ),
-                    Phase::Orphaned => (
-                        Invalidate::Reaped { orphaned: true },
-                        Some(TABLE),
-                        Phase::Released,
-                    ),
-                    _ => (Invalidate::Quiet, None, p),
-                };
-                let before = drops();
-                assert_eq!(l.invalidate(), (action, table));
-                assert_eq!(drops() - before, usize::from(holds));
-                is_at(&l, next);
-                assert!(!l.callback_armed());
-                assert_eq!(
-                    l.revoked_map_mut().copied(),
-                    if mapped { Some(MAP) } else { None }
-                );
-                assert_eq!(
-                    l.revoked_map_mut().copied(),
-                    if mapped { Some(MAP) } else { None }
-                );
-                assert_eq!(l.invalidate(), (Invalidate::Quiet, None));
-
-                // release, by the owner and by another process: unpins only
-                // a pin it holds, non-persistent ones only in the owner's
-                // process; never drops the reference.
+                let case = Case::new(p, persistent);
+                assert_eq!(case.at().callback_armed(), case.holds);
+                case.pin_calls();
+                case.get_pages_calls();
+                case.dma_map_calls();
+                case.unmap_calls();
+                case.callback();
                 for tgid in [OWNER, OTHER] {
-                    let mut l = at();
-                    let before = drops();
-                    let r = l.release(tgid);
-                    let orphan = pinned && !persistent && tgid == OTHER;
-                    assert_eq!(r.map, if mapped { Some(MAP) } else { None });
-                    assert_eq!(r.unpin, if pinned && !orphan { Some(TABLE) } else { None });
-                    assert_eq!(r.orphaned, orphan);
-                    // A persistent pin's lifecycle ends with its release.
-                    assert_eq!(r.ended, pinned && persistent);
-                    let next = match p {
-                        _ if orphan => Phase::Orphaned,
-                        _ if pinned && persistent => Phase::Released,
-                        _ if pinned => Phase::Unpinning,
-                        Phase::Acquired | Phase::Revoked | Phase::Released => Phase::Released,
-                        _ => p,
-                    };
-                    is_at(&l, next);
-                    assert_eq!(l.callback_armed(), holds);
-                    assert_eq!(drops(), before);
-                    let r = l.release(tgid);
-                    assert!(r.map.is_none() && r.unpin.is_none() && !r.orphaned);
+                    case.release_calls(tgid);
                 }
-
-                // The unpin's end: reclaims only after a successful unpin.
                 for ok in [true, false] {
-                    let mut l = at();
-                    let before = drops();
-                    let (how, tok) = l.unpinned(ok);
-                    let unpinning = p == Phase::Unpinning;
-                    // Only a non-persistent pin is ever in Unpinning.
-                    assert!(!(unpinning && persistent));
-                    let (want, next) = match (unpinning, ok) {
-                        (false, _) => (Unpinned::Raced, p),
-                        (true, true) => (Unpinned::Reclaim, Phase::Released),
-                        (true, false) => (Unpinned::Stranded, Phase::Stranded),
-                    };
-                    assert_eq!(how, want);
-                    let reclaimed = want == Unpinned::Reclaim;
-                    assert_eq!(token_id(&tok), if reclaimed { Some(TABLE) } else { None });
-                    assert_eq!(drops(), before);
-                    is_at(&l, next);
-                    assert_eq!(l.callback_armed(), holds && !reclaimed);
+                    case.unpinned_calls(ok);
                 }
             }
         }
@@ -890,9 +946,10 @@ mod p2p_tests {
 
     const PAGE: u64 = 0x1_0000;
 
-    /// Pages at `addrs` (0: a NULL page pointer), and whether they are one
-    /// run, as `PageView::one_run` says.
-    fn one_run(addrs: &[u64]) -> Result<Option<(u64, u64)>> {
+    /// Pages at `addrs` (0: a NULL page pointer), as the runs the client
+    /// maps (`bar_map::runs`, segments of at most `max_seg` bytes), or
+    /// `None` when a page has no address.
+    fn runs_of(addrs: &[u64], max_seg: u64) -> Result<Option<KVec<(u64, u64)>>> {
         let mut pages = KVec::with_capacity(addrs.len(), GFP_KERNEL)?;
         for &a in addrs {
             // SAFETY: an all-zero page is a valid value of the C struct.
@@ -912,7 +969,15 @@ mod p2p_tests {
         // SAFETY: `ptrs` holds `addrs.len()` pointers, NULL or into `pages`,
         // both alive until the view is gone.
         let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), addrs.len()) };
-        Ok(view.one_run(PAGE))
+        let missing = core::cell::Cell::new(false);
+        let mut out = KVec::new();
+        for run in crate::bar_map::runs(&view, max_seg, &missing) {
+            match run {
+                Ok(r) => out.push((r.addr, r.len), GFP_KERNEL)?,
+                Err(_) => return Ok(None),
+            }
+        }
+        Ok(Some(out))
     }
 
     #[test]
@@ -925,58 +990,32 @@ mod p2p_tests {
             }
             v
         };
-        assert_eq!(one_run(&addrs)?, Some((base, 32 * PAGE)));
-        assert_eq!(one_run(&[base])?, Some((base, PAGE)));
+        let one = runs_of(&addrs, 1 << 31)?.ok_or(EINVAL)?;
+        assert_eq!(&one[..], &[(base, 32 * PAGE)]);
+        let one = runs_of(&[base], 1 << 31)?.ok_or(EINVAL)?;
+        assert_eq!(&one[..], &[(base, PAGE)]);
+        // The device's segment limit cuts a run.
+        let cut = runs_of(&addrs[..4], 2 * PAGE)?.ok_or(EINVAL)?;
+        assert_eq!(&cut[..], &[(base, 2 * PAGE), (base + 2 * PAGE, 2 * PAGE)]);
         Ok(())
     }
 
     #[test]
-    fn a_gap_a_missing_page_or_no_page_is_not_one_run() -> Result {
+    fn a_gap_splits_and_a_missing_page_fails_the_runs() -> Result {
         let b = 0x38_0000_0000u64;
-        // A gap, pages in the wrong order, a page without a pointer.
-        assert_eq!(one_run(&[b, b + 2 * PAGE])?, None);
-        assert_eq!(one_run(&[b + PAGE, b])?, None);
-        assert_eq!(one_run(&[b, 0, b + 2 * PAGE])?, None);
-        assert_eq!(one_run(&[0])?, None);
-        assert_eq!(one_run(&[])?, None);
-        // A run that would end past the address space.
-        assert_eq!(one_run(&[u64::MAX - PAGE + 2, 1])?, None);
-        Ok(())
-    }
-
-    /// Whether `n` contiguous pages are one run for a caller that reads at
-    /// most `max` of them.
-    fn bounded_run(n: u64, max: usize) -> Result<Option<(u64, u64)>> {
-        let base = 0x38_0000_0000u64;
-        let mut pages = KVec::with_capacity(n as usize, GFP_KERNEL)?;
-        for i in 0..n {
-            // SAFETY: an all-zero page is a valid value of the C struct.
-            let mut p: ffi::nvidia_p2p_page = unsafe { core::mem::zeroed() };
-            p.physical_address = base + i * PAGE;
-            pages.push(p, GFP_KERNEL)?;
-        }
-        let mut ptrs = KVec::with_capacity(n as usize, GFP_KERNEL)?;
-        for p in pages.iter_mut() {
-            ptrs.push(&raw mut *p, GFP_KERNEL)?;
-        }
-        // SAFETY: `ptrs` holds `n` pointers into `pages`, both alive until
-        // the view is gone.
-        let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), n as usize) };
-        Ok(view.one_run_of_at_most(PAGE, max))
-    }
-
-    #[test]
-    fn the_window_section_reads_a_bounded_number_of_pages() -> Result {
-        let base = 0x38_0000_0000u64;
-        let max = crate::registration::WINDOW_RUN_PAGES;
-        // Up to the bound: the run, as one_run finds it.
-        assert_eq!(bounded_run(max, max as usize)?, Some((base, max * PAGE)));
-        assert_eq!(bounded_run(1, max as usize)?, Some((base, PAGE)));
-        // One page more, or 64 MiB: the general way, pages unread.
-        assert_eq!(bounded_run(max + 1, max as usize)?, None);
-        assert_eq!(bounded_run(1024, max as usize)?, None);
-        // A device whose segments hold fewer pages bounds it further.
-        assert_eq!(bounded_run(8, 4)?, None);
+        // A gap, pages in the wrong order.
+        let gap = runs_of(&[b, b + 2 * PAGE], 1 << 31)?.ok_or(EINVAL)?;
+        assert_eq!(&gap[..], &[(b, PAGE), (b + 2 * PAGE, PAGE)]);
+        let back = runs_of(&[b + PAGE, b], 1 << 31)?.ok_or(EINVAL)?;
+        assert_eq!(&back[..], &[(b + PAGE, PAGE), (b, PAGE)]);
+        // A page without a pointer, alone or in a run.
+        assert!(runs_of(&[b, 0, b + 2 * PAGE], 1 << 31)?.is_none());
+        assert!(runs_of(&[0], 1 << 31)?.is_none());
+        // No page: no run.
+        assert_eq!(runs_of(&[], 1 << 31)?.map(|r| r.len()), Some(0));
+        // A run that would end past the address space is cut there.
+        let top = runs_of(&[u64::MAX - PAGE + 1, 0x1_0000], 1 << 31)?.ok_or(EINVAL)?;
+        assert_eq!(top.len(), 2);
         Ok(())
     }
 
@@ -1155,6 +1194,12 @@ mod sg_tests {
             e = unsafe { bindings::sg_next(e) };
         }
         assert!(e.is_null());
+        Ok(())
+    }
+
+    #[test]
+    fn a_coalesced_table_spans_chained_chunks() -> Result {
+        const P: u64 = 0x1_0000;
         // Over 128 entries span chained chunks: 300 pages, none following
         // the one before.
         let mut many = KVec::new();
@@ -1174,6 +1219,12 @@ mod sg_tests {
             e = unsafe { bindings::sg_next(e) };
         }
         assert!(e.is_null());
+        Ok(())
+    }
+
+    #[test]
+    fn a_coalesced_table_stops_a_run_at_the_top_of_the_address_space() -> Result {
+        const P: u64 = 0x1_0000;
         // A run may end at the top of the address space, and no page follows
         // it there: the page at 0 after it starts a run of its own, as in
         // `Coalescer`.
@@ -1308,130 +1359,141 @@ mod sg_tests {
     }
 }
 
-#[kunit_tests(nvidia_peermem_bar_window)]
-mod bar_window_tests {
+#[kunit_tests(nvidia_peermem_abi)]
+mod abi_tests {
     use crate::{
-        bar_window::Window,
-        coalesce::Segment, //
-    };
-
-    fn seg(addr: u64, len: u64) -> Segment {
-        Segment { addr, len }
-    }
-
-    // A 2 GiB BAR at 0x38_0000_0000, mapped at 0x8000_0000.
-    const W: Window = Window {
-        start: 0x38_0000_0000,
-        end: 0x38_7fff_ffff,
-        base: 0x8000_0000,
-    };
-
-    #[test]
-    fn a_run_in_the_window_is_at_its_offset() {
-        assert_eq!(
-            W.segment(seg(0x38_0001_0000, 0x20_0000)),
-            Some(seg(0x8001_0000, 0x20_0000))
-        );
-        // The whole BAR, and its last page.
-        assert_eq!(
-            W.segment(seg(0x38_0000_0000, 0x8000_0000)),
-            Some(seg(0x8000_0000, 0x8000_0000))
-        );
-        assert_eq!(
-            W.segment(seg(0x38_7fff_0000, 0x1_0000)),
-            Some(seg(0xffff_0000, 0x1_0000))
-        );
-    }
-
-    #[test]
-    fn a_run_not_all_in_the_window_is_refused() {
-        // Starts below, ends past, lies elsewhere, is empty, overflows.
-        assert_eq!(W.segment(seg(0x37_ffff_0000, 0x2_0000)), None);
-        assert_eq!(W.segment(seg(0x38_7fff_0000, 0x2_0000)), None);
-        assert_eq!(W.segment(seg(0x1000_0000, 0x1_0000)), None);
-        assert_eq!(W.segment(seg(0x38_0000_0000, 0)), None);
-        assert_eq!(W.segment(seg(u64::MAX - 0xffff, 0x2_0000)), None);
-        // A base near the top cannot wrap.
-        let high = Window {
-            base: u64::MAX - 0xffff,
-            ..W
-        };
-        assert_eq!(high.segment(seg(0x38_0002_0000, 0x1_0000)), None);
-    }
-}
-
-#[kunit_tests(nvidia_peermem_access)]
-mod access_tests {
-    use crate::{
-        access::{
-            Claimed,
-            Locked,
-            RegState, //
+        accounting::{
+            errno_slot,
+            Bdf, //
         },
-        atomics::Relaxed,
+        client::{
+            ClientTable,
+            NV_MEM_INVALIDATING,
+            NV_MEM_INVALIDATING_LEGACY,
+            NV_MEM_NC,
+            NV_MEM_PERSISTENT, //
+        },
+        ffi,
         stats::STATS,
     };
     use kernel::{
-        new_condvar,
         prelude::*,
-        sync::CondVar, //
+        str::CString, //
     };
 
-    fn state() -> Result<Pin<KBox<RegState<u32>>>> {
-        KBox::pin_init(
-            RegState::new(0, c"access_tests", kernel::static_lock_class!()),
-            GFP_KERNEL,
+    /// A client table's name, version string, "extended" marker and flags.
+    fn parts(t: &ClientTable) -> (KVec<u8>, KVec<u8>, u8, u64) {
+        let c = &t.0.client;
+        let text = |s: &[kernel::ffi::c_char]| -> KVec<u8> {
+            let mut v = KVec::new();
+            for &b in s.iter().take_while(|&&b| b != 0) {
+                let _ = v.push(b, GFP_KERNEL);
+            }
+            v
+        };
+        let marker = c.version[ffi::IB_PEER_MEMORY_VER_MAX as usize - 1];
+        (
+            text(&c.name),
+            text(&c.version),
+            marker,
+            u64::from(t.0.flags),
         )
     }
 
     #[test]
-    fn a_claimed_state_is_held_until_its_guard_drops() -> Result {
-        let st = state()?;
-        let waits = STATS.claim_waits.load(Relaxed);
-        assert!(!st.claim().is_held());
-        {
-            // SAFETY: this state is only entered the `Claimed` way.
-            let mut g = unsafe { st.enter::<Claimed>() };
-            assert!(st.claim().is_held());
-            *g = 5;
+    fn client_tables_carry_their_name_version_and_flags() {
+        let version = env!("PEERMEM_VERSION").as_bytes();
+        let unmaps = u64::from(ffi::PEER_MEM_INVALIDATE_UNMAPS);
+        let want: [(&ClientTable, &[u8], u8, u64); 4] = [
+            (&NV_MEM_INVALIDATING, b"nv_mem", 1, unmaps),
+            (&NV_MEM_INVALIDATING_LEGACY, b"nv_mem", 0, 0),
+            (&NV_MEM_PERSISTENT, b"nv_mem", 0, 0),
+            (&NV_MEM_NC, b"nv_mem_nc", 0, 0),
+        ];
+        for (t, name, marker, flags) in want {
+            let (n, v, m, f) = parts(t);
+            assert_eq!((&n[..], &v[..], m, f), (name, version, marker, flags));
+            let c = &t.0.client;
+            assert!(c.acquire.is_some() && c.get_pages.is_some() && c.dma_map.is_some());
+            assert!(c.dma_unmap.is_some() && c.put_pages.is_some() && c.release.is_some());
+            assert!(c.get_page_size.is_some());
+            assert_eq!(
+                t.0.ex_size,
+                core::mem::size_of::<ffi::peer_memory_client_ex>()
+            );
         }
-        assert!(!st.claim().is_held());
-        // SAFETY: as above.
-        assert_eq!(*unsafe { st.enter::<Claimed>() }, 5);
-        assert!(!st.claim().is_held());
-        // Nobody else held it: no wait was counted.
-        assert_eq!(STATS.claim_waits.load(Relaxed), waits);
+    }
+
+    /// Counters the stats file must name, each once.
+    const COUNTERS: [&str; 18] = [
+        "live_registrations",
+        "pinned_bytes",
+        "acquired",
+        "declined",
+        "registrations",
+        "releases",
+        "invalidations",
+        "core_invalidations",
+        "sg_entries",
+        "foreign_releases",
+        "orphaned_pins",
+        "stranded_pins",
+        "leaked_pins",
+        "claim_waits",
+        "crossed_calls",
+        "topology_probes",
+        "fail_bad_range",
+        "fail_topology",
+    ];
+
+    #[test]
+    fn the_stats_file_names_every_counter_once() -> Result {
+        struct Show;
+        impl core::fmt::Display for Show {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                STATS.show(f)
+            }
+        }
+        let text = CString::try_from_fmt(core::format_args!("{}", Show))?;
+        let text = core::str::from_utf8(text.to_bytes()).map_err(|_| EINVAL)?;
+        for name in COUNTERS {
+            let lines = text.lines().filter(|l| l.split(' ').next() == Some(name));
+            assert_eq!((name, lines.count()), (name, 1));
+        }
+        assert!(text.starts_with("live_registrations "));
+        // Every line is a name and a number.
+        for l in text.lines() {
+            let mut w = l.split(' ');
+            assert!(w.next().is_some_and(|n| !n.is_empty()));
+            assert!(w.next().is_some_and(|v| v.parse::<u64>().is_ok()));
+            assert!(w.next().is_none());
+        }
+        assert_eq!(text.lines().filter(|l| l.starts_with("fail_")).count(), 12);
         Ok(())
     }
 
     #[test]
-    fn a_wait_under_a_claim_gives_it_up_and_takes_it_back() -> Result {
-        let st = state()?;
-        let q = KBox::pin_init(new_condvar!("access_tests"), GFP_KERNEL)?;
-        let q: &CondVar = &q;
-        // SAFETY: this state is only entered the `Claimed` way.
-        let mut g = unsafe { st.enter::<Claimed>() };
-        *g = 1;
-        g.wait(q);
-        assert!(st.claim().is_held());
-        *g += 1;
-        drop(g);
-        assert!(!st.claim().is_held());
-        // SAFETY: as above.
-        assert_eq!(*unsafe { st.enter::<Claimed>() }, 2);
+    fn pci_addresses_are_written_as_the_kernel_writes_them() -> Result {
+        let s = CString::try_from_fmt(core::format_args!(
+            "{} {}",
+            Bdf(0x0001_8203),
+            Bdf(0x00ff_ff07)
+        ))?;
+        assert_eq!(s.to_bytes(), b"0001:82:00.3 00ff:ff:00.7");
+        let s =
+            CString::try_from_fmt(core::format_args!("{}", Bdf((0x3a << 8) | (0x1f << 3) | 2)))?;
+        assert_eq!(s.to_bytes(), b"0000:3a:1f.2");
         Ok(())
     }
 
     #[test]
-    fn a_locked_state_leaves_its_claim_alone() -> Result {
-        let st = state()?;
-        // SAFETY: this state is only entered the `Locked` way.
-        let mut g = unsafe { st.enter::<Locked>() };
-        *g = 3;
-        assert!(!st.claim().is_held());
-        drop(g);
-        // SAFETY: as above.
-        assert_eq!(*unsafe { st.enter::<Locked>() }, 3);
-        Ok(())
+    fn failures_are_counted_under_their_errno() {
+        // EFAULT, ENOMEM, EOPNOTSUPP, EINVAL, EIO, EPERM, EBUSY, then the rest.
+        for (i, e) in [14, 12, 95, 22, 5, 1, 16].into_iter().enumerate() {
+            assert_eq!(errno_slot(e), i);
+        }
+        for other in [0, 2, 11, 524, -14] {
+            assert_eq!(errno_slot(other), 7);
+        }
     }
 }

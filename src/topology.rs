@@ -14,7 +14,7 @@ use crate::{
         Gpu,
         Pair, //
     },
-    bar_window, compat, ffi, p2p,
+    compat, ffi, p2p, params,
     path::{
         self,
         Chain,
@@ -36,19 +36,7 @@ use crate::{
     },
 };
 
-use crate::atomics::Relaxed;
-
-/// The `allow_unverified_paths` parameter: map for a pair without a common
-/// bridge when the GPU driver's topology verdict could not be learnt.
-fn unverified_allowed() -> bool {
-    crate::unverified_parameter()
-}
-
-/// The refusal level of the path policy (`path_policy`): 0 allows every
-/// path; 1..=5 refuse paths worse than PIX..SYS.
-pub(crate) fn policy_level() -> i32 {
-    crate::policy_parameter()
-}
+use kernel::sync::atomic::Relaxed;
 
 /// What is known of one registration's route.
 ///
@@ -85,7 +73,6 @@ fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
 }
 
 #[cold]
-#[inline(never)]
 fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
     let mut peer_chain = ffi::PeermemChain::default();
     // SAFETY: a live device (the `PeerDevice` invariant), a valid out-pointer.
@@ -110,7 +97,6 @@ fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::P
 }
 
 #[cold]
-#[inline(never)]
 fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
     let class = p.class.name();
     let acs = if p.acs_redirect {
@@ -137,8 +123,6 @@ fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
 
 impl Route {
     /// The route of pages starting at bus address `phys` to `peer`.
-    // One call site per client mode: inlined into each `dma_map`.
-    #[inline(always)]
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
         match Self::known(phys, peer) {
             Some(r) => r,
@@ -147,13 +131,10 @@ impl Route {
     }
 
     /// The route of pages starting at bus address `phys` to `peer` if its
-    /// GPU and pair are known already; never learns one, so never sleeps (for
-    /// callers inside a spinlock's section).
-    #[inline(always)]
-    pub(crate) fn known(phys: u64, peer: &PeerDevice) -> Option<Self> {
+    /// GPU and pair are known already.
+    fn known(phys: u64, peer: &PeerDevice) -> Option<Self> {
         let peer_id = peer.id();
-        let gpu = accounting::gpu_by_phys(phys)?;
-        let (pair, class) = accounting::find_pair(gpu.id, peer_id)?;
+        let (gpu, pair, class) = accounting::known_pair(phys, peer_id)?;
         Some(Self {
             gpu: Some(gpu),
             gpu_id: gpu.id,
@@ -168,20 +149,12 @@ impl Route {
     /// walks the PCI devices, classifies the pair and records what the
     /// tables have room for.
     #[cold]
-    #[inline(never)]
     fn new_pair(phys: u64, known: Option<Gpu>, peer: &PeerDevice) -> Self {
         let peer_id = peer.id();
-        let mut chain = ffi::PeermemChain::default();
-        let (mut start, mut end) = (0u64, 0u64);
-        // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
-        let rc = unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) };
-        let found = rc == 0;
-        let gpu = known.or_else(|| {
-            found
-                .then(|| accounting::add_gpu(chain.id, start, end))
-                .flatten()
-        });
-        let path = found.then(|| classify(&chain, peer)).flatten();
+        let found = pci_gpu(phys);
+        let gpu = known.or_else(|| found.as_ref().and_then(record_gpu));
+        let chain = found.map_or_else(ffi::PeermemChain::default, |(c, _)| c);
+        let path = found.and_then(|_| classify(&chain, peer));
         let pair = path.and_then(|(p, iommu)| {
             let Some((pair, new)) = accounting::add_pair(chain.id, peer_id, p, iommu) else {
                 kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and debugfs paths does not show them\n");
@@ -194,7 +167,7 @@ impl Route {
         });
         Self {
             gpu,
-            gpu_id: if found {
+            gpu_id: if found.is_some() {
                 chain.id
             } else {
                 gpu.map_or(0, |g| g.id)
@@ -207,8 +180,6 @@ impl Route {
     }
 
     /// The path policy's verdict.
-    // One call site per client mode: inlined into each `dma_map`.
-    #[inline(always)]
     pub(crate) fn admit(&self) -> Result {
         if self.allowed() {
             return Ok(());
@@ -217,9 +188,8 @@ impl Route {
     }
 
     #[cold]
-    #[inline(never)]
     fn refused_by_policy(&self) -> Error {
-        let level = policy_level();
+        let level = params::policy_level();
         if let Some(pair) = &self.pair {
             pair.refused_by_policy();
         }
@@ -238,18 +208,17 @@ impl Route {
     /// invalidating client applies itself: it maps BAR pages without the
     /// driver, whose lock it must not take under the core's `mapping_lock`.
     /// A route without a pair record counts as sharing no bridge.
-    #[inline(always)]
     pub(crate) fn gate(&self) -> Gate {
         // A GPU without a record (its table full) has no verdict learnt.
         let (near, far) = self
             .gpu
-            .map_or((Verdict::Unknown, Verdict::Unknown), accounting::gpu_gate);
-        path::gate(self.shares_bridge, near, far, unverified_allowed())
+            .and_then(|g| g.gate)
+            .unwrap_or((Verdict::Unknown, Verdict::Unknown));
+        path::gate(self.shares_bridge, near, far, params::unverified_allowed())
     }
 
     /// [`Route::gate`]'s verdict, a refusal counted on the pair and
     /// explained once per pair.
-    #[inline(always)]
     pub(crate) fn admit_gate(&self) -> Result {
         match self.gate() {
             Gate::Open => Ok(()),
@@ -258,7 +227,6 @@ impl Route {
     }
 
     #[cold]
-    #[inline(never)]
     fn gate_refused(&self, g: Gate) -> Error {
         let e = compat::eopnotsupp();
         // A pair without a slot is explained by the once-per-cause line.
@@ -285,9 +253,8 @@ impl Route {
 
     /// Whether the path policy allows this route, without a word (the
     /// refusal itself is [`Route::admit`]'s, which counts and explains it).
-    #[inline(always)]
     pub(crate) fn allowed(&self) -> bool {
-        let level = policy_level();
+        let level = params::policy_level();
         // A path that could not be classified passes only a policy that
         // allows every path.
         level <= 0 || self.class.is_some_and(|c| (c as i32) <= level)
@@ -296,7 +263,6 @@ impl Route {
     /// A registration on this route failed with `e`; explains a refusal by
     /// the GPU driver's topology check once per pair.
     #[cold]
-    #[inline(never)]
     pub(crate) fn failed(&self, e: Error, by_driver_map: bool) {
         let Some(pair) = &self.pair else {
             return;
@@ -312,30 +278,10 @@ impl Route {
         }
     }
 
-    /// The pair's whole-BAR window for `peer` (see `bar_window`), if its DMA
-    /// is untranslated.
-    pub(crate) fn window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
-        let pair = self.pair.as_ref()?;
-        let bar = accounting::gpu_bar(self.gpu?);
-        // SAFETY: the core keeps `peer` alive and bound while it maps for it
-        // (the `PeerDevice` invariant; we are inside its `dma_map`).
-        unsafe { bar_window::get(pair.slot, peer.dev(), bar) }
-    }
-
-    /// The pair's window for `peer` if it is live already (see
-    /// [`bar_window::live`]); never makes one.
-    #[inline(always)]
-    pub(crate) fn live_window(&self, peer: &PeerDevice) -> Option<bar_window::Window> {
-        let pair = self.pair.as_ref()?;
-        bar_window::live_for(pair.slot, peer.dev())
-    }
-
     /// Counts a mapped registration of `bytes` for the process `tgid` (the
     /// one that pinned it).
-    // One call site per client mode: inlined into each `dma_map`.
-    #[inline(always)]
     pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
-        if !crate::accounting_parameter() {
+        if !params::accounting() {
             return None;
         }
         let gpu = self.gpu?;
@@ -343,29 +289,33 @@ impl Route {
     }
 }
 
+/// The PCI device whose memory BAR holds `phys`: its path up and the BAR's
+/// first and last byte.
+fn pci_gpu(phys: u64) -> Option<(ffi::PeermemChain, (u64, u64))> {
+    let mut chain = ffi::PeermemChain::default();
+    let (mut start, mut end) = (0u64, 0u64);
+    (ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) == 0)
+        .then_some((chain, (start, end)))
+}
+
+/// Records the GPU that [`pci_gpu`] found; `None` when the table is full.
+fn record_gpu((chain, (start, end)): &(ffi::PeermemChain, (u64, u64))) -> Option<Gpu> {
+    accounting::add_gpu(chain.id, *start, *end)
+}
+
 /// The GPU whose BAR holds `phys`, recorded if new; `None` when it is no PCI
 /// device's or the table is full.
 fn gpu_of(phys: u64) -> Option<Gpu> {
-    if let Some(g) = accounting::gpu_by_phys(phys) {
-        return Some(g);
-    }
-    let mut chain = ffi::PeermemChain::default();
-    let (mut start, mut end) = (0u64, 0u64);
-    // SAFETY: valid out-pointers; the helper walks the PCI devices itself.
-    let rc = unsafe { ffi::peermem_gpu_by_phys(phys, &mut chain, &mut start, &mut end) };
-    (rc == 0)
-        .then(|| accounting::add_gpu(chain.id, start, end))
-        .flatten()
+    accounting::gpu_by_phys(phys).or_else(|| pci_gpu(phys).as_ref().and_then(record_gpu))
 }
 
 /// Learns the GPU driver's topology verdicts (fact 5) for the GPU whose BAR
 /// holds `phys` once, from an invalidating `acquire` of `start`: there the
 /// core holds no `mapping_lock` (facts 11-12), so the driver may be called.
 // One call site (the invalidating `acquire`): inlined there.
-#[inline(always)]
 pub(crate) fn learn_gate(start: u64, phys: u64) {
     match gpu_of(phys) {
-        Some(gpu) if !accounting::gate_learnt(gpu) => probe_gate(start, gpu),
+        Some(gpu) if gpu.gate.is_none() => probe_gate(start, gpu),
         _ => (),
     }
 }
@@ -376,7 +326,6 @@ pub(crate) fn learn_gate(start: u64, phys: u64) {
 /// of the driver (fact 2), and waiting for such a callback while it holds the
 /// driver's lock would deadlock.
 #[cold]
-#[inline(never)]
 fn probe_gate(start: u64, gpu: Gpu) {
     let range = GpuRange {
         start,
@@ -436,9 +385,8 @@ unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verd
         return Verdict::Unknown;
     };
     for i in 0..3 {
-        // SAFETY: no preconditions; a reference on the device, locked, or
-        // NULL.
-        let dev = unsafe { ffi::peermem_gate_candidate(phys, near, i) };
+        // A reference on the device, locked, or NULL.
+        let dev = ffi::peermem_gate_candidate(phys, near, i);
         if dev.is_null() {
             // No such peer to ask about: asking again would not help.
             return if i == 0 {

@@ -12,7 +12,7 @@
 
 use core::ptr;
 
-use crate::atomics::{
+use kernel::sync::atomic::{
     Acquire,
     Atomic,
     Release, //

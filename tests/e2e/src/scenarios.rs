@@ -166,9 +166,9 @@ pub const ALL: &[Scenario] = &[
         run: contiguous_1g,
     },
     Scenario {
-        name: "bar_window",
+        name: "hca_rebind",
         applies: ours_invalidating_any,
-        run: bar_window,
+        run: hca_rebind,
     },
     Scenario {
         name: "gpu_rebind",
@@ -181,9 +181,9 @@ pub const ALL: &[Scenario] = &[
         run: pair_table_full,
     },
     Scenario {
-        name: "window_section_bounded",
+        name: "large_mrs_one_entry",
         applies: ours_invalidating_any,
-        run: window_section_bounded,
+        run: large_mrs_one_entry,
     },
     Scenario {
         name: "dma_unmap_failure",
@@ -510,8 +510,8 @@ fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
             module::peer_stat("nv_mem", "version").as_deref() == Some(v.as_str()),
             "client version differs from module version"
         );
-        // The parameters, reported in debugfs (no sysfs files for Rust
-        // module parameters in 7.3).
+        // The parameters, in sysfs as NVIDIA's module has them, and in
+        // debugfs.
         let st = module::stats();
         let want = (
             u64::from(ctx.mode == Mode::Persistent),
@@ -525,6 +525,28 @@ fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
             got == (Some(want.0), Some(want.1)),
             "debugfs parameters {got:?}, expected {want:?}"
         );
+        let sysfs = |n: &str| {
+            std::fs::read_to_string(format!("/sys/module/nvidia_peermem/parameters/{n}"))
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        let got = (sysfs("persistent_api_support"), sysfs("peerdirect_support"));
+        ensure!(
+            got == (Some(want.0), Some(want.1)),
+            "sysfs parameters {got:?}, expected {want:?}"
+        );
+        for n in [
+            "path_policy",
+            "path_accounting",
+            "allow_unverified_paths",
+            "pair_table_slots",
+        ] {
+            ensure!(
+                sysfs(n) == st.get(&format!("param_{n}")).copied(),
+                "sysfs parameter {n}: {:?}",
+                sysfs(n)
+            );
+        }
     }
     Ok(format!("version {v}"))
 }
@@ -1638,9 +1660,9 @@ fn pair_lines() -> Vec<String> {
 /// A GPU loses its driver and gets it back while another GPU's
 /// registrations go on. The GPU driver's unbind waits until none of the
 /// GPU's memory is in use (so the MR on it is revoked first); the GPU's
-/// record, pairs and BAR windows go with the unbind, and its first
-/// registration after the rebind records it anew (a rebind may bring another
-/// BAR): topology verdict, window and DMA.
+/// record and pairs go with the unbind, and its first registration after the
+/// rebind records it anew (a rebind may bring another BAR): topology verdict
+/// and DMA, also for two first registrations at once.
 fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
     let mut a0 = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
     let a1 = ctx.gpu().alloc(1, 2 * M).map_err(errno_name)?;
@@ -1658,13 +1680,12 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
                 .map(str::to_string)
         })
         .ok_or("GPU 0's record not found")?;
-    // Both pairs have their window (when untranslated) before the unbind.
+    // Both pairs are recorded before the unbind.
     let h1 = ctx
         .core
         .reg(a1.va, M, PMC_REG_INVAL_SUPP)
         .map_err(errno_name)?;
     ctx.core.dereg(h1).map_err(errno_name)?;
-    let windows0 = stat("bar_windows");
     let drv = "/sys/bus/pci/drivers/nv_p2p_emu";
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (traffic, unbound, still_bound) = std::thread::scope(|sc| -> Result<_, String> {
@@ -1709,7 +1730,7 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
         // Whatever happens next, the traffic stops before the scope ends.
         let after = || -> Result<_, String> {
             let unbound = unbound?;
-            let gone = (gpu_lines(), pair_lines(), stat("bar_windows"));
+            let gone = (gpu_lines(), pair_lines());
             std::fs::write(format!("{drv}/bind"), &gpu0)
                 .map_err(|e| format!("bind {gpu0}: {e}"))?;
             std::thread::sleep(std::time::Duration::from_millis(100));
@@ -1720,10 +1741,10 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
         let traffic = traffic.join().map_err(|_| "traffic thread")?;
         let (unbound, gone) = r?;
         // Quiet now. Two first registrations on the rebound GPU at once:
-        // one records it (and learns its topology verdict), the other waits
-        // for that record; both map in the pair's window.
+        // one records it (and learns its topology verdict), the other finds
+        // that record; both map, and their bytes move.
         let a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
-        let (probes, maps) = (stat("topology_probes"), stat("window_maps"));
+        let probes = stat("topology_probes");
         let firsts: Vec<Result<(), String>> = std::thread::scope(|sc| {
             let hs: Vec<_> = [0, M]
                 .into_iter()
@@ -1736,7 +1757,7 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
         for r in firsts {
             r.map_err(|e| format!("a first registration on GPU 0 after the rebind: {e}"))?;
         }
-        let relearnt = (stat("topology_probes") - probes, stat("window_maps") - maps);
+        let relearnt = stat("topology_probes") - probes;
         for off in [0, 256] {
             ensure!(
                 a.read(off * 4096, 64) == [0xa5; 64],
@@ -1749,7 +1770,7 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
         Ok(((traffic, gone, relearnt), unbound, (still_bound, dereg)))
     })?;
     let (still_bound, dereg) = still_bound;
-    let (ops, (gpus, pairs, windows), relearnt) = traffic;
+    let (ops, (gpus, pairs), relearnt) = traffic;
     let ops = ops.map_err(|e| format!("traffic on GPU 1: {e}"))?;
     unbound.map_err(|e| format!("unbind {gpu0}: {e}"))?;
     match dereg {
@@ -1768,27 +1789,12 @@ fn gpu_rebind(ctx: &mut Ctx) -> Result<String, String> {
         !gpus.iter().any(|l| l.contains(&gpu0)) && !pairs.iter().any(|l| l.contains(&gpu0)),
         "GPU {gpu0} is still recorded after its unbind: {gpus:?} {pairs:?}"
     );
-    // One window per untranslated pair: GPU 0's went with it.
-    ensure!(
-        windows == windows0.saturating_sub(1),
-        "{windows} BAR windows after the unbind, {windows0} before"
-    );
     ensure!(
         gpu_lines().iter().any(|l| l.contains(&gpu0)),
         "GPU {gpu0} not recorded after the rebind"
     );
-    let (relearnt, first_maps) = relearnt;
     if ctx.mode.invalidating() {
         ensure!(relearnt == 1, "{relearnt} topology probes after the rebind");
-        ensure!(
-            first_maps == 2 * u64::from(windows0 > 0),
-            "{first_maps} of the two first registrations mapped in the window"
-        );
-        ensure!(
-            stat("bar_windows") == windows0,
-            "{} BAR windows after the rebind, {windows0} before",
-            stat("bar_windows")
-        );
     }
     Ok(format!(
         "{ops} registrations on GPU 1 meanwhile; GPU {gpu0} recorded anew"
@@ -1876,126 +1882,68 @@ fn pair_table_steps(ctx: &mut Ctx) -> Result<String, String> {
     ))
 }
 
-/// The one-section mapping inside a BAR window reads at most 64 pages under
-/// the registration's spinlock: a 4 MiB MR is mapped in one section, a
-/// 4 MiB + 64 KiB and a 64 MiB MR the general way (their tables read
-/// outside the lock), each in the window as one entry with its bytes moved.
-/// A translated HCA has no window: none is mapped either way.
-fn window_section_bounded(ctx: &mut Ctx) -> Result<String, String> {
-    let untranslated = !hostile::iommu_translates();
+/// Contiguous MRs of 4 MiB, 4 MiB + 64 KiB and 64 MiB are each mapped as one
+/// run (one DMA mapping, one scatterlist entry, whether or not an IOMMU
+/// translates the HCA's DMA), with their bytes moved; the client reads the
+/// page table outside any spinlock, so no section with preemption off grows
+/// with the MR.
+fn large_mrs_one_entry(ctx: &mut Ctx) -> Result<String, String> {
     let a = ctx.gpu().alloc(0, 64 * M).map_err(errno_name)?;
-    // The pair's window is made by a first registration (an earlier
-    // scenario may have unbound the HCA, which takes it away).
-    let h = ctx
-        .core
-        .reg(a.va, M, PMC_REG_INVAL_SUPP)
-        .map_err(errno_name)?;
-    ctx.core.dereg(h).map_err(errno_name)?;
     let mut seen = Vec::new();
-    for (len, one_section) in [(4 * M, true), (4 * M + K64, false), (64 * M, false)] {
-        let (s0, w0) = (stat("single_section_maps"), stat("window_maps"));
+    for len in [4 * M, 4 * M + K64, 64 * M] {
         let q = reg_verify(ctx, &a, 0, len, PMC_REG_INVAL_SUPP)?;
-        let (s, w) = (stat("single_section_maps") - s0, stat("window_maps") - w0);
-        let want = (
-            u64::from(untranslated),
-            u64::from(untranslated && one_section),
-        );
-        ensure!(
-            (w, s) == want,
-            "{} KiB: {w} window maps, {s} in one section (want {want:?})",
-            len >> 10
-        );
-        ensure!(
-            !untranslated || q.nmap == 1,
-            "{} KiB: {} entries",
-            len >> 10,
-            q.nmap
-        );
-        seen.push(format!(
-            "{}K:{}",
-            len >> 10,
-            if s == 1 { "one section" } else { "general" }
-        ));
+        ensure!(q.nmap == 1, "{} KiB: {} entries", len >> 10, q.nmap);
+        seen.push(format!("{}K:{}", len >> 10, q.nmap));
     }
     Ok(seen.join(" "))
 }
 
-/// One round of `bar_window` with the HCA's current IOMMU setting.
-fn window_round(ctx: &mut Ctx, hca: &str) -> Result<String, String> {
-    let untranslated = !hostile::iommu_translates();
-    let how = if untranslated {
-        "untranslated"
-    } else {
+/// One round of `hca_rebind` with the HCA's current IOMMU setting.
+fn rebind_round(ctx: &mut Ctx, hca: &str) -> Result<String, String> {
+    let how = if hostile::iommu_translates() {
         "translated"
+    } else {
+        "untranslated"
     };
     let mut a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
-    let w0 = stat("window_maps");
-    reg_verify(ctx, &a, K64, M, PMC_REG_INVAL_SUPP)?;
-    let made = stat("window_maps") - w0;
-    ensure!(
-        made == u64::from(untranslated),
-        "{made} registrations mapped in a BAR window (HCA DMA {how})"
-    );
-    let live = stat("bar_windows");
-    ensure!(
-        (live > 0) == untranslated,
-        "{live} BAR windows live (HCA DMA {how})"
-    );
+    let q = reg_verify(ctx, &a, K64, M, PMC_REG_INVAL_SUPP)?;
+    ensure!(q.nmap == 1, "{} entries (HCA DMA {how})", q.nmap);
     ensure!(
         !dma_debug_off(),
         "DMA-API debug is off: it would not report a mapping left at unbind"
     );
-    // The HCA loses its driver, under a live MR if that MR has no mapping
-    // of its own (an RDMA driver's remove destroys its MRs first, our
-    // core's does not): its windows go before DMA-API debug looks for
-    // mappings left on it.
+    // The HCA loses its driver: every MR's mapping went with its MR, so
+    // DMA-API debug finds none left on it; its pair's record goes too.
     let leaks0 = leaked_at_unbind();
-    let live_mr = if untranslated {
-        Some(
-            ctx.core
-                .reg(a.va, M, PMC_REG_INVAL_SUPP)
-                .map_err(errno_name)?,
-        )
-    } else {
-        None
-    };
     hca_driver(hca, false)?;
-    let after_unbind = stat("bar_windows");
-    let rebound = hca_driver(hca, true);
-    if let Some(h) = live_mr {
-        ctx.core.dereg(h).map_err(errno_name)?;
-    }
-    rebound?;
-    ensure!(
-        after_unbind == 0,
-        "{after_unbind} BAR windows left after the HCA lost its driver"
-    );
+    let pairs = pair_lines();
+    hca_driver(hca, true)?;
     ensure!(
         leaked_at_unbind() == leaks0,
         "DMA-API debug found mappings left on the HCA at unbind"
     );
-    // Rebound: the next MR decides anew, and its bytes move.
-    let w1 = stat("window_maps");
-    reg_verify(ctx, &a, 0, 2 * M, PMC_REG_INVAL_SUPP)?;
     ensure!(
-        stat("window_maps") - w1 == u64::from(untranslated),
-        "after the rebind, {} registrations mapped in a BAR window",
-        stat("window_maps") - w1
+        !pairs.iter().any(|l| l.contains(&format!("hca={hca}"))),
+        "the HCA's pairs are still recorded after its unbind: {pairs:?}"
+    );
+    // Rebound: the next MR is mapped anew, and its bytes move.
+    let q = reg_verify(ctx, &a, 0, 2 * M, PMC_REG_INVAL_SUPP)?;
+    ensure!(
+        q.nmap == 1,
+        "after the rebind, {} entries (HCA DMA {how})",
+        q.nmap
     );
     a.unmap();
-    Ok(format!(
-        "{how}: {} window",
-        if untranslated { "one" } else { "no" }
-    ))
+    Ok(how.to_string())
 }
 
-/// The whole-BAR window (src/bar_window.rs): made for an untranslated HCA,
-/// never for a translated one; gone when the HCA loses its driver, also
-/// under a live MR; decided anew after a rebind, also when the IOMMU group's
-/// type changed meanwhile (then the same HCA runs both ways).
-fn bar_window(ctx: &mut Ctx) -> Result<String, String> {
+/// The HCA loses its driver and gets it back: nothing of this module's is
+/// left mapped on it, its pairs' records go, and the next MR is mapped
+/// anew; also when the IOMMU group's type changed meanwhile (then the same
+/// HCA runs translated and untranslated).
+fn hca_rebind(ctx: &mut Ctx) -> Result<String, String> {
     let hca = hostile::hca_device().ok_or("no HCA bound to the core's driver")?;
-    let mut out = vec![window_round(ctx, &hca)?];
+    let mut out = vec![rebind_round(ctx, &hca)?];
     let type_file = format!("/sys/bus/pci/devices/{hca}/iommu_group/type");
     if let Ok(t) = std::fs::read_to_string(&type_file) {
         let orig = t.trim().to_string();
@@ -2017,10 +1965,10 @@ fn bar_window(ctx: &mut Ctx) -> Result<String, String> {
             set.and(bound)
         };
         switch(other)?;
-        let r = window_round(ctx, &hca);
+        let r = rebind_round(ctx, &hca);
         switch(&orig)?;
         out.push(r?);
-        out.push(window_round(ctx, &hca)?);
+        out.push(rebind_round(ctx, &hca)?);
     }
     Ok(out.join("; "))
 }

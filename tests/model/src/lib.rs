@@ -15,13 +15,6 @@ pub mod path;
 pub mod range;
 
 #[cfg(test)]
-mod atomics;
-#[cfg(test)]
-#[path = "../../../src/claim.rs"]
-mod claim;
-#[cfg(test)]
-mod claim_model;
-#[cfg(test)]
 mod loom_model;
 #[cfg(test)]
 mod mutants;
@@ -681,9 +674,6 @@ mod path_tests {
             assert_eq!(gate(false, near, Unverified, false), Gate::Unverified);
             assert_eq!(gate(false, near, Unverified, true), Gate::Open);
             assert_eq!(gate(false, near, Unknown, true), Gate::Open);
-        }
-        for b in 0..8 {
-            assert_eq!(Verdict::from_bits(b) as u32, b & 3);
         }
     }
 

@@ -1,0 +1,247 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `acquire`: the registration object and its pin.
+
+use kernel::{
+    new_spinlock,
+    prelude::*,
+    sync::atomic::{
+        Atomic,
+        Relaxed, //
+    },
+};
+
+use super::{
+    refs::{
+        Liveness,
+        ReapLink,
+        RefCount,
+        Spare, //
+    },
+    revoke::free_trampoline,
+    ArmedCallback, Inner, Mode, RegRef, Registration, GRANULE,
+};
+use crate::{
+    compat,
+    lifecycle::{
+        Lifecycle,
+        Pin, //
+    },
+    p2p,
+    range::GpuRange,
+    sg::SgSlot,
+    stats::{
+        fail,
+        reg_dbg,
+        Cause,
+        STATS, //
+    },
+    topology, waitq,
+};
+
+/// A registration's object, with its lifecycle `lc` and its pin's error.
+fn object(
+    mode: Mode,
+    start: u64,
+    granules: u32,
+    live: Liveness,
+    (lc, pin_error): (Lifecycle<super::Held>, Option<Error>),
+) -> impl PinInit<Registration> {
+    pin_init!(Registration {
+        mode,
+        start,
+        granules,
+        inner <- new_spinlock!(Inner {
+            lc,
+            pin_error,
+            in_core: None,
+            mapper: false,
+            waiters: 0,
+            charge: None,
+        }, "Registration::inner"),
+        sg_slot: SgSlot::new(),
+        holds_map: Atomic::new(0),
+        refs: RefCount::new(),
+        reap_link: ReapLink::new(),
+        _live: live,
+    })
+}
+
+/// The user's range, widened to whole granules, and its length in granules.
+fn widened(addr: u64, size: u64) -> Result<(GpuRange, u32)> {
+    let range = GpuRange::widen(addr, size, GRANULE).map_err(|e| {
+        reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
+        fail!(
+            Cause::BadRange,
+            EINVAL,
+            "refused range {addr:#x}+{size:#x}: {e:?}"
+        )
+    })?;
+    // 2^32 granules are 256 TiB: more than any GPU has.
+    let granules = u32::try_from(range.len / GRANULE).map_err(|_| {
+        fail!(
+            Cause::BadRange,
+            EINVAL,
+            "refused range {addr:#x}+{size:#x}: too long"
+        )
+    })?;
+    Ok((range, granules))
+}
+
+impl Registration {
+    /// `acquire`: claims `[addr, addr + size)` if the GPU driver owns it, by
+    /// pinning it — the only ownership test the p2p API has, done once: the
+    /// pin is kept for `get_pages`. Any error means "not mine".
+    pub(crate) fn acquire(addr: u64, size: u64, mode: Mode) -> Result<RegRef> {
+        let (range, granules) = widened(addr, size)?;
+        // Registrations are made only while the module's wait queue exists
+        // (their waits use it).
+        waitq::queue().ok_or(ENODEV)?;
+        let live = Liveness::new()?;
+        // The memory first: nothing pinned has to be undone if it fails.
+        let spare = Spare::new()?;
+        let reg = match mode {
+            Mode::Invalidating => {
+                // Pinning starts before the object is shared (nobody else can
+                // see it yet, so no lock is needed to move it there).
+                let lc = (Lifecycle::pinning(), None);
+                let reg = spare.init(object(mode, range.start, granules, live, lc));
+                reg.pin_invalidating(&reg)?;
+                reg
+            }
+            // A persistent pin has no free callback: nothing but this call
+            // can touch it, so it is made before the object exists and
+            // recorded without a lock.
+            Mode::Persistent => {
+                let lc = Self::pin_persistent(&range)?;
+                spare.init(object(mode, range.start, granules, live, lc))
+            }
+        };
+        // The core holds it from now until `release`; counted by the caller
+        // (`acquired`; live registrations are `acquired - releases`).
+        Ok(reg)
+    }
+
+    /// A persistent pin of `range`, as the lifecycle that holds it; or, for
+    /// memory the GPU driver owns but cannot pin, an empty lifecycle and the
+    /// error `get_pages` reports.
+    fn pin_persistent(range: &GpuRange) -> Result<(Lifecycle<super::Held>, Option<Error>)> {
+        match p2p::get_pages_persistent(range) {
+            Ok(table) => {
+                STATS.pinned_bytes.add(range.len, Relaxed);
+                let pin = Pin {
+                    table,
+                    token: None,
+                    owner: compat::current_tgid(),
+                };
+                Ok((Lifecycle::with_pin(pin), None))
+            }
+            Err(e) => Ok((
+                Lifecycle::new(),
+                Some(Self::pin_refused(e, Mode::Persistent, range)?),
+            )),
+        }
+    }
+
+    /// Pins an invalidating registration (`this` is `self`'s reference) and,
+    /// the first time for its GPU, learns the GPU driver's topology verdict.
+    fn pin_invalidating(&self, this: &RegRef) -> Result {
+        let range = self.range();
+        if let Err(e) = self.pin(this) {
+            let e = Self::pin_refused(e, Mode::Invalidating, &range)?;
+            self.enter().pin_error = Some(e);
+        } else if let Some(phys) = self.first_phys() {
+            // No core lock is held here but `peer_memory_mutex`.
+            topology::learn_gate(range.start, phys);
+        }
+        Ok(())
+    }
+
+    /// The provider refused to pin `range` with `e`: `Err` when the range is
+    /// not the GPU driver's to pin (not ours), else the error `get_pages`
+    /// reports for memory that is the GPU driver's.
+    fn pin_refused(e: Error, mode: Mode, range: &GpuRange) -> Result<Error> {
+        reg_dbg!(
+            "acquire {:#x}+{:#x}: declined ({e:?})",
+            range.start,
+            range.len
+        );
+        match e {
+            // The GPU driver refuses persistent pins (MIG, vGPU): the memory
+            // is its, so say why instead of the core's "Bad address".
+            e if e == compat::eopnotsupp() && mode == Mode::Persistent => {
+                kernel::pr_warn_once!("the GPU driver does not support persistent pins here (MIG or vGPU?): registrations fail with EOPNOTSUPP; load with persistent_api_support=0\n");
+                Ok(e)
+            }
+            // Not GPU memory, or not this process's (or freed while
+            // pinning): not ours.
+            e if e == EINVAL || e == compat::eopnotsupp() || e == EFAULT => Err(e),
+            // The GPU driver's memory, which it cannot pin now: ours, failing.
+            e => Ok(e),
+        }
+    }
+
+    /// Pins the range with a free callback; the lifecycle is in Pinning
+    /// already (see `acquire`). The callback can run as soon as the provider
+    /// armed it, so the outcome is recorded under the lock. `this` is
+    /// `self`'s reference (the callback takes one of its own).
+    fn pin(&self, this: &RegRef) -> Result {
+        let owner = compat::current_tgid();
+        let raw = this.clone().into_raw();
+        // SAFETY: `free_trampoline` takes `raw`, a counted reference of its
+        // own, back; it is sound from any sleepable context until the pin is
+        // undone (it only revokes and hands the reference over).
+        match unsafe { p2p::get_pages(&self.range(), free_trampoline, raw) } {
+            Ok(table) => {
+                // INVARIANT: the provider holds the reference taken above.
+                let token = Some(ArmedCallback(()));
+                let pin = Pin {
+                    table,
+                    token,
+                    owner,
+                };
+                self.pinned(pin)
+            }
+            Err(e) => {
+                // SAFETY: the provider refused and did not keep the callback:
+                // the reference taken above is ours again.
+                drop(unsafe { RegRef::from_raw(raw) });
+                self.enter().lc.pin_failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// Records a pin the provider made, unless its free callback came first.
+    fn pinned(&self, pin: Pin<super::Held>) -> Result {
+        let took = self.enter().lc.pin_succeeded(pin);
+        match took {
+            Ok(()) => {
+                STATS.pinned_bytes.add(self.range().len, Relaxed);
+                Ok(())
+            }
+            // The callback already ran and consumed the provider's reference;
+            // the table is the provider's to free: drop our handles only.
+            Err(_) => Err(fail!(
+                Cause::Revoked,
+                EFAULT,
+                "GPU memory freed while pinning"
+            )),
+        }
+    }
+
+    /// The bus address of the pinned table's first page, if it is pinned and
+    /// of a layout this module knows.
+    fn first_phys(&self) -> Option<u64> {
+        let range = self.range();
+        let g = self.enter();
+        let t = g.lc.pinned_table().ok()?;
+        // SAFETY: Pinned, so the table is ours; a free callback takes this
+        // lock before it revokes, and the provider frees the table only after
+        // the callback returns (fact 2): valid while the lock is held.
+        unsafe { t.check(&range) }.ok()?;
+        // SAFETY: as above, and checked just above; the view does not outlive
+        // the lock's section.
+        unsafe { t.pages() }.physical_address(0)
+    }
+}

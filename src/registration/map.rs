@@ -1,0 +1,280 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `get_pages`, `dma_map`, `dma_unmap` and `put_pages`.
+
+use kernel::{
+    bindings,
+    prelude::*,
+    sync::atomic::Relaxed, //
+};
+
+use super::{
+    refused,
+    Entered,
+    Mode,
+    Registration, //
+};
+use crate::{
+    bar_map, compat,
+    device_map::DeviceMap,
+    p2p::PageTable,
+    peer_device::PeerDevice,
+    provider_map,
+    range::GPU_PAGE_SIZE,
+    stats::{
+        fail,
+        reg_dbg,
+        Cause,
+        STATS, //
+    },
+    topology::Route,
+};
+
+impl Registration {
+    /// `get_pages`: the pin happened in `acquire`; check what the provider
+    /// gave us and remember the core's id for the invalidate hook.
+    pub(crate) fn get_pages(&self, addr: u64, size: u64, core_context: u64) -> Result {
+        if !self.range().covers(addr, size) {
+            return Err(fail!(
+                Cause::Order,
+                EINVAL,
+                "get_pages for another range than acquired"
+            ));
+        }
+        let mut g = self.enter();
+        if let Some(e) = g.pin_error {
+            let (start, len) = (self.range().start, self.range().len);
+            return Err(fail!(
+                Cause::Pin,
+                e,
+                "the GPU driver could not pin {start:#x}+{len:#x}"
+            ));
+        }
+        let checked = match g.lc.pinned_table() {
+            // SAFETY: Pinned, so the table is ours. A free callback must take
+            // this lock to revoke, and the provider frees the table only after
+            // the callback returns: it is valid while the lock is held.
+            Ok(t) => unsafe { t.check(&self.range()) },
+            Err(r) => return Err(refused(r, "get_pages")),
+        };
+        match checked {
+            Ok(_) => g.lc.bind(core_context).map_err(|r| refused(r, "get_pages")),
+            Err(m) => {
+                // `release` unpins; nothing else may use this table.
+                g.lc.reject();
+                Err(fail!(
+                    Cause::PageTable,
+                    compat::eopnotsupp(),
+                    "unsupported NVIDIA page table: {m:?}"
+                ))
+            }
+        }
+    }
+
+    /// `dma_map`: maps the pinned pages for `dma_device` and publishes the
+    /// scatterlist in `sg_head`; returns the number of entries.
+    ///
+    /// # Safety
+    ///
+    /// `sg_head` must be the core's table for this registration and
+    /// `dma_device` NULL or a device the core keeps alive while mapped.
+    pub(crate) unsafe fn dma_map(
+        &self,
+        sg_head: *mut bindings::sg_table,
+        dma_device: *mut bindings::device,
+    ) -> Result<u32> {
+        // SAFETY: as promised by the caller.
+        let Some(peer) = (unsafe { PeerDevice::new(dma_device) }) else {
+            return Err(fail!(
+                Cause::NotPci,
+                EINVAL,
+                "dma_device is not a PCI device"
+            ));
+        };
+        let table = self.start_map()?;
+        // SAFETY: valid until `finish_map` (see `start_map`); checked by
+        // `get_pages`.
+        let pages = unsafe { table.pages() };
+        let route = Route::of(pages.physical_address(0).unwrap_or(0), &peer);
+        let made = self.checks(&route, pages.coherent()).and_then(|()| {
+            self.map_pages(table, peer)
+                .inspect_err(|e| route.failed(*e, self.mode == Mode::Persistent))
+        });
+        // SAFETY: `sg_head` is the core's table for this registration (caller).
+        let nents = unsafe { self.finish_map(made, &route, sg_head) }?;
+        Ok(self.mapped(nents))
+    }
+
+    /// Whether `route` may be mapped: coherent memory (C2C) is on no PCIe
+    /// path, so neither the path policy nor the driver's topology gate, which
+    /// it skips there (fact 5), applies. The invalidating client maps without
+    /// the GPU driver: it applies the driver's gate itself (the persistent
+    /// one asks the driver).
+    fn checks(&self, route: &Route, coherent: bool) -> Result {
+        match (coherent, self.mode) {
+            (true, _) => Ok(()),
+            (false, Mode::Persistent) => route.admit(),
+            (false, Mode::Invalidating) => route.admit().and_then(|()| route.admit_gate()),
+        }
+    }
+
+    /// Counts a registration mapped with `nents` entries; returns `nents`.
+    fn mapped(&self, nents: u32) -> u32 {
+        STATS.registrations.add(1, Relaxed);
+        STATS.sg_entries.add(u64::from(nents), Relaxed);
+        reg_dbg!(
+            "mapped {:#x}+{:#x}: {nents} entries",
+            self.range().start,
+            self.range().len
+        );
+        nents
+    }
+
+    /// The lifecycle took a mapping (Mapped): flags it for `put_pages` and
+    /// counts the registration on `route` until its pin ends (under this
+    /// lock, so that a revoke cannot end the pin in between).
+    fn installed(&self, g: &mut Entered<'_>, route: &Route) {
+        self.holds_map.store(1, Relaxed);
+        let owner = g.lc.owner().unwrap_or(0);
+        g.charge = route.charge(owner, self.range().len);
+    }
+}
+
+/// One mapping attempt: its start and its end.
+impl Registration {
+    /// Moves Bound to Mapping and returns the table to map, marking it in
+    /// use until [`Registration::finish_map`].
+    ///
+    /// The alias is sound while `mapper` is set: a free callback that comes
+    /// meanwhile waits for it in `revoke` before it returns, and the provider
+    /// frees the table only after its callback returns
+    /// (real-driver-behaviour.md, fact 2; scenario `free_races_registration`,
+    /// and the `ofed4` mode, whose core holds no lock across `dma_map`). The
+    /// alias does not outlive `dma_map`, except inside a persistent mapping,
+    /// whose table is unpinned only after the mapping is dropped.
+    fn start_map(&self) -> Result<PageTable> {
+        let mut g = self.enter();
+        let t = g.lc.start_map().map_err(|r| refused(r, "dma_map"))?;
+        // SAFETY: Bound became Mapping: the table is pinned, was checked by
+        // `get_pages`, and outlives the alias (see above).
+        let t = unsafe { t.alias() };
+        g.mapper = true;
+        Ok(t)
+    }
+
+    /// Ends a mapping attempt: lets a waiting free callback go, and
+    /// publishes the scatterlist unless the pages were revoked meanwhile.
+    ///
+    /// # Safety
+    ///
+    /// `sg_head` must be the core's table for this registration.
+    unsafe fn finish_map(
+        &self,
+        made: Result<DeviceMap>,
+        route: &Route,
+        sg_head: *mut bindings::sg_table,
+    ) -> Result<u32> {
+        let mut g = self.enter();
+        g.mapper = false;
+        self.wake(&g);
+        let map = match made {
+            Ok(m) => m,
+            Err(e) => {
+                g.lc.map_failed();
+                return Err(e);
+            }
+        };
+        let lost = match g.lc.map_succeeded(map) {
+            // Revoked meanwhile: our own mapping, undone below; the device
+            // never saw it.
+            Err(map) => map,
+            Ok(()) => {
+                self.installed(&mut g, route);
+                let m = g.lc.map().ok_or(EINVAL)?;
+                // SAFETY: `sg_head` is the core's table (caller); the map was
+                // built with this registration's slot.
+                return Ok(unsafe { m.publish(&self.sg_slot, sg_head) });
+            }
+        };
+        drop(g);
+        drop(lost);
+        route.failed(EFAULT, false);
+        Err(fail!(
+            Cause::Revoked,
+            EFAULT,
+            "GPU memory freed while mapping"
+        ))
+    }
+
+    /// Maps the pages of `table` for `peer`: ourselves for non-persistent
+    /// pins (no lock of the GPU driver's is taken, see `bar_map`), through
+    /// the GPU driver for persistent ones.
+    fn map_pages(&self, table: PageTable, peer: PeerDevice) -> Result<DeviceMap> {
+        match self.mode {
+            Mode::Invalidating => {
+                // SAFETY: checked by `get_pages` and valid during `dma_map`
+                // (see `start_map`); the view does not outlive this block.
+                let pages = unsafe { table.pages() };
+                // SAFETY: pinned until the mapping is dropped (see
+                // `bar_map::map`: `release` unpins after it, a free callback
+                // takes the device's access before it returns); the core
+                // keeps `peer` alive; the slot is this registration's and is
+                // used by one mapping at a time (see `sg_slot`).
+                let map = unsafe { bar_map::map(&pages, &peer, &self.sg_slot) };
+                map.map(DeviceMap::Bar)
+                    .map_err(|e| bar_map_failed(e, pages.coherent()))
+            }
+            Mode::Persistent => {
+                let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
+                // SAFETY: a persistent pin, unpinned only by `release` after
+                // the mapping is dropped (the lifecycle hands out the map
+                // first); the slot as above.
+                let map = unsafe { provider_map::map(table, entries, &peer, &self.sg_slot) };
+                map.map(DeviceMap::Provider)
+            }
+        }
+    }
+}
+
+/// Undoing the mapping.
+impl Registration {
+    /// `dma_unmap`: idempotent; undoes the client's mapping, also after a
+    /// revoke (it is ours, never the GPU driver's).
+    pub(crate) fn dma_unmap(&self) {
+        let map = {
+            let mut g = self.enter();
+            self.holds_map.store(0, Relaxed);
+            g.lc.unmap()
+        };
+        drop(map);
+    }
+
+    /// `put_pages`: as `dma_unmap`; the unpin waits for `release` (see
+    /// `Lifecycle::put_pages`). The caller skips it when
+    /// [`Registration::put_pages_needed`] says so.
+    pub(crate) fn put_pages(&self) {
+        let map = {
+            let mut g = self.enter();
+            self.holds_map.store(0, Relaxed);
+            g.lc.put_pages()
+        };
+        drop(map);
+    }
+}
+
+/// The error of a failed BAR mapping, counted and explained.
+fn bar_map_failed(e: Error, coherent: bool) -> Error {
+    if coherent {
+        fail!(
+            Cause::DmaMap,
+            e,
+            "mapping coherent GPU memory for the device failed (a device without coherent DMA, or a kernel without DMA_ATTR_REQUIRE_COHERENT)"
+        )
+    } else {
+        fail!(
+            Cause::DmaMap,
+            e,
+            "mapping GPU BAR pages for the device failed"
+        )
+    }
+}

@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! One registration: pin → bind → map → (revoke) → unmap → unpin → release.
+//!
+//! A registration is shared by the core (through `client_context`) and, in
+//! invalidating mode, by the GPU driver's free callback, each holding its own
+//! reference ([`refs`]); it is freed when the last one goes, so `release`
+//! cannot free it under a running callback. Its [`Lifecycle`] owns every
+//! provider object and decides, under the registration's spinlock (never
+//! held across a provider or core call), who may use which.
+//!
+//! - [`acquire`]: the object and its pin.
+//! - [`map`]: `get_pages`, `dma_map`, `dma_unmap`, `put_pages`.
+//! - [`release`]: the unpin, and the pins the core let go of.
+//! - [`revoke`]: the GPU driver's free callback.
+//!
+//! An invalidating registration is called by the core and, concurrently, by
+//! the free callback, and those calls wait for each other (a `release` for a
+//! callback inside the core, a callback for a `dma_map` reading the page
+//! table), on the module's wait queue. A persistent registration has no free
+//! callback: only the core calls it, one call at a time (it makes and
+//! destroys a umem in one thread each; real-driver-behaviour.md, facts 12 to
+//! 14). A call that finds a persistent registration's lock taken is counted
+//! in `claim_waits`, which every scenario checks stays 0.
+
+mod acquire;
+mod map;
+pub(crate) mod refs;
+mod release;
+mod revoke;
+
+use core::num::NonZeroU32;
+
+use kernel::{
+    bindings,
+    prelude::*,
+    sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        lock::{
+            spinlock::SpinLockBackend,
+            Guard, //
+        },
+        SpinLock,
+    },
+};
+
+use crate::{
+    accounting::Charge,
+    compat,
+    device_map::DeviceMap,
+    lifecycle::{
+        Lifecycle,
+        Refusal,
+        Resources, //
+    },
+    p2p::PageTable,
+    range::{
+        self,
+        GpuRange, //
+    },
+    sg::SgSlot,
+    stats::{
+        fail,
+        Cause,
+        STATS, //
+    },
+    waitq,
+};
+
+pub(crate) use crate::lifecycle::Mode;
+
+use refs::{
+    Counted,
+    Liveness,
+    ReapLink,
+    RefCount, //
+};
+
+/// A counted reference on a registration.
+pub(crate) type RegRef = refs::Ref<Registration>;
+
+/// The module's cache of registration objects.
+pub(crate) type RegCache = refs::ObjectCache;
+
+/// The reference on a registration that the GPU driver holds while the free
+/// callback of a non-persistent pin is armed: a token without data (the
+/// registration that holds it in its lifecycle is the one referenced).
+///
+/// # Invariants
+///
+/// Made only by [`acquire`]'s pin, when the GPU driver accepted the callback
+/// with a counted reference on the pinning registration, which belongs to the
+/// driver: the free callback consumes it, or [`ArmedCallback::reclaim`] takes
+/// it back after an unpin the callback did not race. Dropping the token
+/// leaves the reference where it is.
+pub(crate) struct ArmedCallback(());
+
+impl ArmedCallback {
+    /// Takes the GPU driver's reference on `reg` back.
+    ///
+    /// # Safety
+    ///
+    /// `reg` must be the registration whose pin made this token. The driver
+    /// unpinned the pages (in the pinning process, with success) and the free
+    /// callback did not run, so it never will: the driver looks the pin up
+    /// under the lock it holds across the callback (real-driver-behaviour.md,
+    /// facts 2 and 8; scenario `unpin_races_free_callback`).
+    unsafe fn reclaim(self, reg: &Registration) -> RegRef {
+        // SAFETY: the driver's reference is counted on `reg` (type invariant)
+        // and no longer the driver's (caller).
+        unsafe { RegRef::adopt(reg) }
+    }
+}
+
+/// The objects a registration's lifecycle owns.
+pub(crate) struct Held;
+
+impl Resources for Held {
+    type Table = PageTable;
+    type Token = ArmedCallback;
+    type Map = DeviceMap;
+}
+
+/// A registration's state, under its lock.
+struct Inner {
+    lc: Lifecycle<Held>,
+    /// The provider refused to pin a range that is its memory (BAR1
+    /// exhausted, ...): reported by `get_pages` as the errno it is, instead of
+    /// the core's "Bad address" for memory nobody claimed.
+    pin_error: Option<Error>,
+    /// The thread (by id) whose free callback is inside the core's invalidate
+    /// for this registration; `release` waits until it is out.
+    in_core: Option<NonZeroU32>,
+    /// A `dma_map` is reading the page table; a free callback waits until
+    /// it is done before returning (the provider frees the table then).
+    mapper: bool,
+    /// Tasks of this registration waiting on the module's queue: wake-ups
+    /// are sent only when there are some.
+    waiters: u16,
+    /// What the registration is counted under per pair, GPU and process,
+    /// from its mapping until its pin ends.
+    charge: Option<Charge>,
+}
+
+/// Inside a registration's lock.
+type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
+
+/// One registration of a GPU range with the peer-memory core.
+///
+/// # Invariants
+///
+/// `mode` never changes; the widened range is `start` and `granules`.
+#[pin_data]
+pub(crate) struct Registration {
+    mode: Mode,
+    /// The widened range (see [`Registration::range`]): its start, and its
+    /// length in granules.
+    start: u64,
+    granules: u32,
+    #[pin]
+    inner: SpinLock<Inner>,
+    /// The scatterlist entry of a one-run mapping, or the header of the
+    /// scatterlist of a persistent mapping of several runs. Only the mapping
+    /// being made or held by `inner` uses it (the lifecycle holds at most
+    /// one, built in Mapping), and every mapping is dropped before the
+    /// registration is freed.
+    sg_slot: SgSlot,
+    /// Whether the lifecycle holds a mapping: written under `inner` by every
+    /// call that installs or takes one, read without it by `put_pages`,
+    /// which the core calls right after `dma_unmap` and which then has
+    /// nothing to do.
+    holds_map: Atomic<u32>,
+    refs: RefCount,
+    reap_link: ReapLink,
+    _live: Liveness,
+}
+
+impl Counted for Registration {
+    fn refs(&self) -> &RefCount {
+        &self.refs
+    }
+
+    fn reap_link(&self) -> &ReapLink {
+        &self.reap_link
+    }
+}
+
+/// The pinning granule: ranges are widened to it.
+const GRANULE: u64 = range::granule(bindings::PAGE_SIZE as u64);
+
+/// The calling thread, compared only.
+fn current_task() -> NonZeroU32 {
+    compat::current_ids().0
+}
+
+fn refused(r: Refusal, call: &str) -> Error {
+    match r {
+        Refusal::Revoked => fail!(Cause::Revoked, EFAULT, "GPU memory freed before {call}"),
+        Refusal::Forbidden(p) => fail!(Cause::Order, EINVAL, "{call} in phase {p:?}"),
+    }
+}
+
+impl Registration {
+    /// Enters the registration's state. A persistent registration's lock is
+    /// never contended by a core that keeps its one-call-at-a-time order:
+    /// contention there is counted.
+    fn enter(&self) -> Entered<'_> {
+        if self.mode == Mode::Persistent {
+            if let Some(g) = self.inner.try_lock() {
+                return g;
+            }
+            STATS.claim_waits.add(1, Relaxed);
+        }
+        self.inner.lock()
+    }
+
+    /// The mode of the client whose `acquire` made this registration.
+    pub(crate) fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Whether `put_pages` has anything to do: not without a mapping (the
+    /// core's usual order is `dma_unmap`, then `put_pages`), which this
+    /// tells without entering the registration's state. A mapping is
+    /// installed only by `dma_map`, which the core does not run concurrently
+    /// with `put_pages` of the same registration; if a core did, skipping is
+    /// the same as running just before the install, and `dma_unmap` or
+    /// `release` (which always takes the mapping) undoes it.
+    pub(crate) fn put_pages_needed(&self) -> bool {
+        self.holds_map.load(Relaxed) != 0
+    }
+
+    /// The GPU range this registration pinned (the user's, widened to whole
+    /// granules).
+    fn range(&self) -> GpuRange {
+        GpuRange {
+            start: self.start,
+            len: u64::from(self.granules) * GRANULE,
+        }
+    }
+
+    /// Waits on the module's queue, counted in `waiters` so that wakers
+    /// know. Whoever changes what the caller waits for does so under this
+    /// registration's lock and then wakes the queue.
+    fn wait(&self, g: &mut Entered<'_>) {
+        // Always there: a registration exists only while the queue does
+        // (checked by `acquire`; the queue goes only after the last one).
+        let Some(q) = waitq::queue() else {
+            return;
+        };
+        g.waiters += 1;
+        q.wait(g);
+        g.waiters -= 1;
+    }
+
+    /// Wakes the waiters of this registration, if any (the caller holds the
+    /// lock and changed what they wait for). The queue is the module's: the
+    /// waiters of other registrations wake too, find their condition
+    /// unchanged and sleep again.
+    fn wake(&self, g: &Inner) {
+        if g.waiters > 0 {
+            if let Some(q) = waitq::queue() {
+                q.notify_all();
+            }
+        }
+    }
+}
+
+// The object of the module's cache (a registration with its count, its lock,
+// its one-entry scatterlist and its mapping) stays below the C module's
+// memory per registration: its context (kmalloc-128) plus its one-entry
+// scatterlist (kmalloc-32), 160 bytes. Production kernels only: lock
+// debugging makes every lock bigger.
+#[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK)))]
+const _: () = assert!(core::mem::size_of::<Registration>() <= 144);

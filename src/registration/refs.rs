@@ -1,0 +1,379 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! A registration's counted references, the slab cache its objects come
+//! from, the queue where a free callback leaves its last reference, and the
+//! module reference each object holds.
+//!
+//! A registration has at most three references: the core's (from `acquire`
+//! to `release`), the GPU driver's while a free callback is armed, and the
+//! one `acquire` holds while it pins. The objects come from a cache of the
+//! module's, sized exactly (`Arc` would put each in kmalloc-256).
+//!
+//! The callback's reference can be a registration's last one (after a release
+//! in another process, or a failed unpin, only the callback is left). Its drop
+//! then drops the registration's module reference; done by the callback
+//! itself, a concurrent `rmmod` could unload the module while the callback
+//! still runs module code. So the callback queues the drop to work of this
+//! module's queue instead, and the module's exit drains that queue after the
+//! clients are unregistered: the work (which holds the module reference until
+//! it drops it) has returned before the module's memory goes.
+//!
+//! Generic over the object ([`Counted`]): this file knows nothing of what a
+//! registration holds.
+
+use core::{
+    ops::Deref,
+    ptr::{
+        self,
+        NonNull, //
+    },
+};
+
+use kernel::{
+    bindings,
+    ffi::c_void,
+    prelude::*,
+    sync::atomic::{
+        Acquire,
+        Atomic,
+        Full,
+        Relaxed,
+        Release, //
+    },
+};
+
+use crate::{
+    compat,
+    ffi, //
+};
+
+/// An object with a [`RefCount`] and a [`ReapLink`] of its own.
+pub(crate) trait Counted: Sized {
+    /// The count of references on this object.
+    fn refs(&self) -> &RefCount;
+    /// Its link on the reap list.
+    fn reap_link(&self) -> &ReapLink;
+}
+
+/// The cache, published while the module is loaded.
+static CACHE: Atomic<*mut bindings::kmem_cache> = Atomic::new(ptr::null_mut());
+
+/// Owns the module's cache of objects.
+///
+/// # Invariants
+///
+/// `CACHE` holds a cache of objects of one [`Counted`] type from `new` until
+/// `drop`, which destroys it.
+pub(crate) struct ObjectCache(());
+
+impl ObjectCache {
+    /// Creates and publishes the cache for objects of type `T`.
+    pub(crate) fn new<T: Counted>() -> Result<Self> {
+        let c =
+            ffi::peermem_reg_cache_create(core::mem::size_of::<T>(), core::mem::align_of::<T>());
+        if c.is_null() {
+            return Err(ENOMEM);
+        }
+        CACHE.store(c, Release);
+        // INVARIANT: published above.
+        Ok(Self(()))
+    }
+}
+
+impl Drop for ObjectCache {
+    fn drop(&mut self) {
+        let c = CACHE.xchg(ptr::null_mut(), Acquire);
+        if !c.is_null() {
+            // SAFETY: created in `new`, destroyed once. Every object is back:
+            // each holds a module reference until it is freed, and the
+            // module's exit runs this after the core's calls and the reap
+            // queue (the places that drop the last reference) are done.
+            unsafe { bindings::kmem_cache_destroy(c) };
+        }
+    }
+}
+
+/// The count of an object's references, a field of the object.
+pub(crate) struct RefCount(Atomic<u32>);
+
+impl RefCount {
+    /// One reference: its creator's ([`Spare::init`]).
+    pub(crate) const fn new() -> Self {
+        Self(Atomic::new(1))
+    }
+}
+
+/// A counted reference on an object of the module's cache.
+///
+/// # Invariants
+///
+/// Points to a live, initialized, pinned `T` from the module's cache, whose
+/// [`RefCount`] counts this reference; when the count drops to zero the
+/// object is dropped in place and returned to the cache. The count never
+/// exceeds 3 (see the module), so it cannot overflow.
+pub(crate) struct Ref<T: Counted>(NonNull<T>);
+
+// SAFETY: `T` is `Send + Sync` and the count is atomic: a reference may be
+// dropped on any thread, like an `Arc`.
+unsafe impl<T: Counted + Send + Sync> Send for Ref<T> {}
+// SAFETY: as above.
+unsafe impl<T: Counted + Send + Sync> Sync for Ref<T> {}
+
+/// An object of the module's cache, allocated but not initialized yet: a
+/// registration can claim its memory before it pins, and pin before it
+/// exists. Goes back to the cache if dropped.
+///
+/// # Invariants
+///
+/// Points to memory of the module's cache, of a `T`'s size and alignment,
+/// owned by this value and not initialized.
+pub(crate) struct Spare<T: Counted>(NonNull<T>);
+
+impl<T: Counted> Spare<T> {
+    /// Allocates an object from the module's cache.
+    pub(crate) fn new() -> Result<Self> {
+        let cache = CACHE.load(Acquire);
+        if cache.is_null() {
+            return Err(ENODEV);
+        }
+        // SAFETY: a live cache (published until the module's exit, which
+        // cannot run while the core calls us).
+        let obj = unsafe { bindings::kmem_cache_alloc_noprof(cache, bindings::GFP_KERNEL) };
+        let obj = NonNull::new(obj.cast::<T>()).ok_or(ENOMEM)?;
+        // INVARIANT: fresh memory of the cache, of the exact layout.
+        Ok(Self(obj))
+    }
+
+    /// Initializes the object with `init`, whose count must be
+    /// [`RefCount::new`]: the returned reference is the only one.
+    pub(crate) fn init(self, init: impl PinInit<T>) -> Ref<T> {
+        let obj = self.0;
+        core::mem::forget(self);
+        // SAFETY: `obj` is memory of the cache's exact size and alignment for
+        // a `T`, owned by us (type invariant), never moved: freed in place.
+        let Ok(()) = unsafe { compat::init_pinned(obj.as_ptr(), init) };
+        // INVARIANT: initialized, one reference.
+        Ref(obj)
+    }
+}
+
+impl<T: Counted> Drop for Spare<T> {
+    fn drop(&mut self) {
+        // SAFETY: memory of the module's cache, never initialized and owned
+        // by us (type invariant); the cache lives while the core calls us.
+        unsafe { bindings::kmem_cache_free(CACHE.load(Relaxed), self.0.as_ptr().cast()) };
+    }
+}
+
+impl<T: Counted> Ref<T> {
+    /// Hands the reference to C as an opaque pointer.
+    pub(crate) fn into_raw(self) -> *mut c_void {
+        let p = self.0.as_ptr();
+        core::mem::forget(self);
+        p.cast()
+    }
+
+    /// Takes back a reference given by [`Ref::into_raw`].
+    ///
+    /// # Safety
+    ///
+    /// `p` must come from `into_raw` of a `Ref<T>`, and that reference must
+    /// not have been taken back before.
+    pub(crate) unsafe fn from_raw(p: *mut c_void) -> Self {
+        // SAFETY: from `into_raw`, so non-null (caller).
+        Self(unsafe { NonNull::new_unchecked(p.cast()) })
+    }
+
+    /// The object behind a reference given by [`Ref::into_raw`].
+    ///
+    /// # Safety
+    ///
+    /// `p` must come from `into_raw` of a `Ref<T>`, and that reference must
+    /// not be taken back for `'a`.
+    pub(crate) unsafe fn borrow<'a>(p: *mut c_void) -> &'a T {
+        // SAFETY: the reference keeps the object alive for `'a` (caller).
+        unsafe { &*p.cast::<T>() }
+    }
+
+    /// Takes over a reference that `obj`'s count already counts, held by
+    /// someone who hands it over (the GPU driver's, after an unpin).
+    ///
+    /// # Safety
+    ///
+    /// `obj` must be an object of the module's cache (every `T` is), and
+    /// the caller must own one of its counted references, which it gives up.
+    pub(crate) unsafe fn adopt(obj: &T) -> Self {
+        // INVARIANT: a live object of the cache, and the reference is counted
+        // (caller).
+        Self(NonNull::from(obj))
+    }
+
+    fn count(&self) -> &Atomic<u32> {
+        &self.refs().0
+    }
+}
+
+impl<T: Counted> Deref for Ref<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        // SAFETY: live while this reference is (type invariant).
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl<T: Counted> Clone for Ref<T> {
+    fn clone(&self) -> Self {
+        self.count().add(1, Relaxed);
+        // INVARIANT: counted above.
+        Self(self.0)
+    }
+}
+
+impl<T: Counted> Drop for Ref<T> {
+    fn drop(&mut self) {
+        // Full: this thread's uses of the object happen before the free, and
+        // every other thread's before this one's free.
+        if self.count().fetch_sub(1, Full) != 1 {
+            return;
+        }
+        let p = self.0.as_ptr();
+        // SAFETY: the last reference: nobody else can reach the object. It
+        // is dropped in place (it is pinned) and returned to the cache it
+        // came from, which lives while any object does (see `ObjectCache`).
+        unsafe {
+            ptr::drop_in_place(p);
+            bindings::kmem_cache_free(CACHE.load(Relaxed), p.cast());
+        }
+    }
+}
+
+/// The module's reap queue, published while the module is loaded.
+static QUEUE: Atomic<*mut bindings::workqueue_struct> = Atomic::new(ptr::null_mut());
+
+/// Objects whose free callback handed its reference over, each carrying
+/// that reference; linked through [`ReapLink`], newest first. Pushed by
+/// callbacks, emptied all at once by the module's work.
+static REAP_LIST: Atomic<*mut c_void> = Atomic::new(ptr::null_mut());
+
+/// An object's link on the reap list, a field of the object: written once,
+/// by the free callback that hands its reference over.
+pub(crate) struct ReapLink(Atomic<*mut c_void>);
+
+impl ReapLink {
+    /// Not on the list.
+    pub(crate) const fn new() -> Self {
+        Self(Atomic::new(ptr::null_mut()))
+    }
+}
+
+/// The module's reap queue; destroying it drains it.
+///
+/// # Invariants
+///
+/// `QUEUE` holds the queue from `new` until `drop`, which destroys it.
+pub(crate) struct ReapQueue(());
+
+impl ReapQueue {
+    /// Allocates and publishes the queue.
+    pub(crate) fn new() -> Result<Self> {
+        let wq = ffi::peermem_wq_alloc();
+        if wq.is_null() {
+            return Err(ENOMEM);
+        }
+        QUEUE.store(wq, Release);
+        // INVARIANT: published above.
+        Ok(Self(()))
+    }
+}
+
+impl Drop for ReapQueue {
+    fn drop(&mut self) {
+        let wq = QUEUE.xchg(ptr::null_mut(), Acquire);
+        if !wq.is_null() {
+            // SAFETY: allocated in `new`, destroyed once; no one queues any
+            // more (every object is gone: the clients are unregistered and no
+            // reference is left, or the module could not be unloading).
+            // Destroying drains the module's work, which empties the list.
+            unsafe { ffi::peermem_wq_destroy(wq) };
+        }
+    }
+}
+
+/// Drops `owner` (a free callback's reference) from the module's queue.
+pub(crate) fn defer<T: Counted>(owner: Ref<T>) {
+    let wq = QUEUE.load(Acquire);
+    if wq.is_null() {
+        // Unreachable while the object holds a module reference.
+        drop(owner);
+        return;
+    }
+    let link = NonNull::from(owner.reap_link());
+    // The reference is the list's from here on (see `reap`).
+    let node = owner.into_raw();
+    let mut head = REAP_LIST.load(Relaxed);
+    loop {
+        // SAFETY: the object is live (the reference forgotten above is now
+        // the list's) and not on the list: a pin's callback runs once, and a
+        // registration has one pin.
+        unsafe { link.as_ref() }.0.store(head, Relaxed);
+        // Release: the link is written before the node is reachable.
+        match REAP_LIST.cmpxchg(head, node, Release) {
+            Ok(_) => break,
+            Err(now) => head = now,
+        }
+    }
+    // SAFETY: the queue lives until `ReapQueue` is dropped, which happens
+    // only after the module reference that the node holds is gone. Queueing
+    // work that is pending already is a no-op: the pending run finds the node.
+    unsafe { ffi::peermem_reap_kick(wq) };
+}
+
+/// The module's reap work: drops every reference of type `T` on the list
+/// (the module has one type of objects).
+pub(crate) fn reap<T: Counted>() {
+    // Acquire: the links written before each push are visible.
+    let mut node = REAP_LIST.xchg(ptr::null_mut(), Acquire);
+    while !node.is_null() {
+        // SAFETY: each node carries one reference (see `defer`), taken back
+        // once, here.
+        let owner = unsafe { Ref::<T>::from_raw(node) };
+        // Written before the push and not written again.
+        node = owner.reap_link().0.load(Relaxed);
+        drop(owner);
+    }
+}
+
+/// Holds a reference on this module for as long as it lives: `rmmod` is
+/// refused while any registration (or a free callback's reference on one)
+/// lives.
+///
+/// # Invariants
+///
+/// A reference on this module was taken by `try_module_get` and is dropped
+/// exactly once, in `Drop`.
+pub(crate) struct Liveness(());
+
+impl Liveness {
+    /// Takes a module reference; fails while the module is being removed
+    /// (a registration then must not start: its callback could outlive the
+    /// module's code).
+    pub(crate) fn new() -> Result<Self> {
+        // SAFETY: THIS_MODULE is a valid module (we are running its code);
+        // `try_module_get` refuses once it is going.
+        if !unsafe { bindings::try_module_get(compat::this_module()) } {
+            return Err(ENODEV);
+        }
+        // INVARIANT: the reference was taken above.
+        Ok(Liveness(()))
+    }
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        // SAFETY: taken in `new` (type invariant). When this is the last
+        // reference, the caller is the module's reap work or a core call,
+        // both of which the module's exit waits for (see the module).
+        unsafe { bindings::module_put(compat::this_module()) };
+    }
+}

@@ -1,0 +1,159 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! `release`: the unpin, and the pins the core let go of that this module
+//! keeps (orphaned or stranded) until the GPU driver's free callback.
+
+use kernel::{
+    prelude::*,
+    sync::atomic::Relaxed, //
+};
+
+use super::{
+    Mode,
+    Registration, //
+};
+use crate::{
+    accounting::Charge,
+    compat, ffi,
+    lifecycle::Unpinned,
+    p2p::PageTable,
+    stats::{
+        fail,
+        Cause,
+        STATS, //
+    },
+};
+
+impl Registration {
+    /// `release`: undoes whatever the core left and unpins if this process
+    /// may; the caller drops the core's reference after it. Returns only
+    /// once no free callback of this registration is inside the core (the
+    /// core may free what that callback uses once we return), unless the
+    /// caller is that callback (OFED 4.x releases from inside its
+    /// invalidate).
+    pub(crate) fn release(&self) {
+        // No free callback is ever inside the core for a persistent
+        // registration, and any process may unpin it: its release needs
+        // neither the thread's nor the process's id.
+        let ids = (self.mode == Mode::Invalidating).then(compat::current_ids);
+        let (r, charge, owner) = {
+            let mut g = self.enter();
+            if let Some((me, _)) = ids {
+                while g.in_core.is_some_and(|t| t != me) {
+                    self.wait(&mut g);
+                }
+            }
+            self.holds_map.store(0, Relaxed);
+            let owner = g.lc.owner().unwrap_or(0);
+            let r = g.lc.release(ids.map_or(0, |(_, tgid)| tgid));
+            // A persistent pin's life ends here, and its count with it
+            // (released once the unpin returned).
+            let charge = if r.ended { g.charge.take() } else { None };
+            (r, charge, owner)
+        };
+        drop(r.map);
+        if r.orphaned {
+            STATS.foreign_releases.add(1, Relaxed);
+            STATS.orphaned_pins.add(1, Relaxed);
+            self.held_pin("released in another process than the pinning one", owner);
+        }
+        match r.unpin {
+            Some(table) if r.ended => self.unpin_persistent(table, charge),
+            Some(table) => self.unpin(table),
+            None => (),
+        }
+        STATS.releases.add(1, Relaxed);
+    }
+
+    /// Unpins a non-persistent pin at the provider and settles the
+    /// callback's reference.
+    fn unpin(&self, table: PageTable) {
+        // SAFETY: pinned by `pin` for `self.range` with a callback (the
+        // lifecycle hands a table out without `ended` only for a pin with a
+        // callback's token, which only `pin` gives), handed out once, and
+        // only to the pinning process.
+        let res = unsafe { table.put(&self.range()) };
+        let (how, token, charge) = {
+            let mut g = self.enter();
+            let (how, token) = g.lc.unpinned(res.is_ok());
+            // A stranded pin stays counted until its callback.
+            let charge = (how != Unpinned::Stranded)
+                .then(|| g.charge.take())
+                .flatten();
+            (how, token, charge)
+        };
+        if let Some(c) = charge {
+            c.release(self.range().len);
+        }
+        match how {
+            // Raced: the callback ended the pin first; it had no table to
+            // count.
+            Unpinned::Reclaim | Unpinned::Raced => {
+                STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
+            }
+            Unpinned::Stranded => self.stranded(res.err().unwrap_or(EIO)),
+        }
+        if let Some(cb) = token {
+            // SAFETY: the lifecycle hands the token out only after a
+            // successful unpin by the pinning process that its callback did
+            // not race: the provider unlinked the pin under the lock it holds
+            // across callbacks, so the callback never runs. Not the last
+            // reference: our caller holds the core's.
+            drop(unsafe { cb.reclaim(self) });
+        }
+    }
+
+    /// The unpin failed with `err`: the pin and its callback stay armed until
+    /// the GPU memory is freed.
+    fn stranded(&self, err: Error) {
+        STATS.stranded_pins.add(1, Relaxed);
+        self.held_pin("nvidia_p2p_put_pages failed", compat::current_tgid());
+        fail!(
+            Cause::Unpin,
+            err,
+            "nvidia_p2p_put_pages failed for {:#x}+{:#x}: the pin stays until the GPU memory is freed",
+            self.range().start,
+            self.range().len
+        );
+    }
+
+    /// One line for each pin the core let go of that this module keeps (an
+    /// orphaned or stranded pin): it holds the module, and nvidia.ko, loaded
+    /// until the GPU driver's free callback ends it.
+    #[cold]
+    fn held_pin(&self, why: &str, owner: u32) {
+        // A process can make many (fork, exit): the counters have them all.
+        if !ffi::peermem_ratelimit() {
+            return;
+        }
+        let (start, len) = (self.range().start, self.range().len);
+        pr_warn!(
+            "{why}: GPU memory {start:#x}+{len:#x} ({len} bytes) pinned by process {} stays pinned until that process frees it or exits; until then nvidia_peermem and nvidia cannot be unloaded (released by process {})\n",
+            compat::Process(owner),
+            compat::Process(compat::current_tgid())
+        );
+    }
+
+    /// Unpins a persistent pin, whose lifecycle already ended, and releases
+    /// its count.
+    fn unpin_persistent(&self, table: PageTable, charge: Option<Charge>) {
+        // SAFETY: a persistent pin made by `acquire` for `self.range` (the
+        // lifecycle ends with `ended` only for a pin without a callback's
+        // token, which only `get_pages_persistent` gives), handed out once.
+        let res = unsafe { table.put_persistent(&self.range()) };
+        if let Some(c) = charge {
+            c.release(self.range().len);
+        }
+        STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
+        if let Err(e) = res {
+            STATS.leaked_pins.add(1, Relaxed);
+            fail!(
+                Cause::Unpin,
+                e,
+                "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
+                self.range().start,
+                self.range().len
+            );
+        }
+    }
+}

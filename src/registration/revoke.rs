@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! The GPU driver's free callback: revoke through the core, then undo the
+//! client's own mapping; its reference leaves through the reap queue.
+
+use kernel::{
+    ffi::c_void,
+    sync::atomic::Relaxed, //
+};
+
+use super::{
+    current_task,
+    refs,
+    Mode,
+    RegRef,
+    Registration, //
+};
+use crate::{
+    core_link,
+    device_map::DeviceMap,
+    lifecycle::Invalidate,
+    stats::{
+        reg_dbg,
+        STATS, //
+    },
+};
+
+/// The free callback given to `nvidia_p2p_get_pages`.
+///
+/// # Safety
+///
+/// `data` is the reference that `pin` gave the provider; the provider calls
+/// this at most once, and only while the pin is armed.
+pub(super) unsafe extern "C" fn free_trampoline(data: *mut c_void) {
+    // SAFETY: the provider hands back the reference given in `pin`; it is
+    // consumed here (the registration's lifecycle then never reclaims it).
+    let owner = unsafe { RegRef::from_raw(data) };
+    if owner.mode == Mode::Invalidating {
+        owner.revoke();
+    }
+    // The callback's reference can be the registration's last one, and its
+    // drop drops a module reference: dropped from the module's queue, which
+    // its exit drains (see `refs`), never here.
+    refs::defer(owner);
+}
+
+/// The module's reap work (called by the C shim's work item): drops the
+/// references the free callbacks left.
+#[no_mangle]
+pub(crate) extern "C" fn peermem_reap_run() {
+    refs::reap::<Registration>();
+}
+
+impl Registration {
+    /// The GPU driver revoked the pages: tell the core, which stops the
+    /// device before we return (the provider frees everything right after),
+    /// then undo our own mapping.
+    fn revoke(&self) {
+        STATS.invalidations.add(1, Relaxed);
+        let (action, had_pin, charge) = {
+            let mut g = self.enter();
+            // The table comes back only to be forgotten: the provider frees
+            // it once we return.
+            let (action, table) = g.lc.invalidate();
+            if let Invalidate::NotifyCore(_) = action {
+                g.in_core = Some(current_task());
+            }
+            // A `dma_map` still reads the table: the provider frees it as
+            // soon as we return, so wait (it takes no lock of the provider's
+            // and sees the revoke when it finishes).
+            while g.mapper {
+                self.wait(&mut g);
+            }
+            let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
+            (action, ended, if ended { g.charge.take() } else { None })
+        };
+        if had_pin {
+            STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
+        }
+        if let Some(c) = charge {
+            c.release(self.range().len);
+        }
+        self.revoked(action);
+    }
+
+    /// Does what the free callback must after the lifecycle decided.
+    fn revoked(&self, action: Invalidate) {
+        reg_dbg!(
+            "free callback for {:#x}+{:#x}: {action:?}",
+            self.range().start,
+            self.range().len
+        );
+        match action {
+            Invalidate::NotifyCore(ctx) => self.revoke_in_core(ctx),
+            Invalidate::Reaped { orphaned: true } => {
+                STATS.orphaned_pins.fetch_sub(1, Relaxed);
+            }
+            Invalidate::Reaped { orphaned: false } => {
+                STATS.stranded_pins.fetch_sub(1, Relaxed);
+            }
+            Invalidate::Quiet => (),
+        }
+    }
+
+    /// Asks the core to revoke the registration it knows as `ctx`, then
+    /// undoes the device's access unless the core did from inside its
+    /// invalidate (legacy cores). The scatterlist stays until the core unmaps
+    /// or releases.
+    fn revoke_in_core(&self, ctx: u64) {
+        // The core's invalidate takes mutexes: the GPU driver must call us
+        // from sleepable context (lockdep checks it).
+        kernel::task::might_sleep();
+        STATS.core_invalidations.add(1, Relaxed);
+        core_link::INVALIDATING.invalidate(ctx);
+        let access = self
+            .enter()
+            .lc
+            .revoked_map_mut()
+            .and_then(DeviceMap::take_device_access);
+        drop(access);
+        let mut g = self.enter();
+        g.in_core = None;
+        self.wake(&g);
+    }
+}
