@@ -18,6 +18,8 @@ pub mod range;
 mod loom_model;
 #[cfg(test)]
 mod mutants;
+#[cfg(test)]
+mod persistent_model;
 
 #[cfg(test)]
 mod tests {
