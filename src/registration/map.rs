@@ -11,12 +11,14 @@ use kernel::{
 use super::{
     refused,
     Entered,
+    Held,
     Mode,
     Registration, //
 };
 use crate::{
     bar_map, compat,
     device_map::DeviceMap,
+    lifecycle::Lifecycle,
     p2p::PageTable,
     peer_device::PeerDevice,
     provider_map,
@@ -241,22 +243,23 @@ impl Registration {
     /// `dma_unmap`: idempotent; undoes the client's mapping, also after a
     /// revoke (it is ours, never the GPU driver's).
     pub(crate) fn dma_unmap(&self) {
-        let map = {
-            let mut g = self.enter();
-            self.holds_map.store(0, Relaxed);
-            g.lc.unmap()
-        };
-        drop(map);
+        self.drop_map(Lifecycle::unmap);
     }
 
     /// `put_pages`: as `dma_unmap`; the unpin waits for `release` (see
     /// `Lifecycle::put_pages`). The caller skips it when
     /// [`Registration::put_pages_needed`] says so.
     pub(crate) fn put_pages(&self) {
+        self.drop_map(Lifecycle::put_pages);
+    }
+
+    /// Takes the mapping out of the lifecycle with `take` and undoes it,
+    /// outside the lock.
+    fn drop_map(&self, take: fn(&mut Lifecycle<Held>) -> Option<DeviceMap>) {
         let map = {
             let mut g = self.enter();
             self.holds_map.store(0, Relaxed);
-            g.lc.put_pages()
+            take(&mut g.lc)
         };
         drop(map);
     }
