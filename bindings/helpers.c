@@ -18,12 +18,14 @@
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/stddef.h>
+#include <linux/sysfs.h>
 #include <linux/workqueue.h>
 #include "nv-p2p.h"
 #include "peer_mem.h"
 
 struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg);
 bool peermem_dbg(const char *msg);
+bool peermem_dbg_on(void);
 int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
 int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma);
@@ -66,6 +68,9 @@ int peermem_chain_of(struct device *dev, struct peermem_chain *out);
 int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
 int peermem_param(unsigned int which);
+int peermem_views_add(void);
+void peermem_views_remove(void);
+ssize_t peermem_view_read(unsigned int which, char *buf, loff_t off, size_t count);	/* Rust, src/views.rs */
 
 /*
  * The module's parameters, with NVIDIA's names and meanings (560+). Declared
@@ -242,6 +247,52 @@ int peermem_watch_devices(void)
 void peermem_unwatch_devices(void)
 {
 	bus_unregister_notifier(&pci_bus_type, &peermem_bus_nb);
+}
+
+/*
+ * The operator's views, /sys/module/nvidia_peermem/stats/{counters,paths,
+ * gpus,processes}: readable where debugfs is not (containers that mount only
+ * /sys, kernel lockdown). Binary attributes, as a table can exceed a page:
+ * each read renders the view anew (src/views.rs) and copies the window asked
+ * for.
+ */
+static ssize_t peermem_view(struct file *file, struct kobject *kobj,
+			    const struct bin_attribute *attr, char *buf, loff_t off, size_t count)
+{
+	return peermem_view_read((unsigned int)(uintptr_t)attr->private, buf, off, count);
+}
+
+#define PEERMEM_VIEW(_name, _which)						\
+	static const struct bin_attribute peermem_view_##_name = {		\
+		.attr = { .name = #_name, .mode = 0444 },			\
+		.private = (void *)(_which),					\
+		.read = peermem_view,						\
+	}
+/* The order of src/views.rs's `View`. */
+PEERMEM_VIEW(counters, 0);
+PEERMEM_VIEW(paths, 1);
+PEERMEM_VIEW(gpus, 2);
+PEERMEM_VIEW(processes, 3);
+
+static const struct bin_attribute *const peermem_views[] = {
+	&peermem_view_counters, &peermem_view_paths, &peermem_view_gpus,
+	&peermem_view_processes, NULL,
+};
+
+static const struct attribute_group peermem_views_group = {
+	.name = "stats",
+	.bin_attrs = peermem_views,
+};
+
+int peermem_views_add(void)
+{
+	return sysfs_create_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+}
+
+/* Returns once no read of a view runs any more (kernfs drains them). */
+void peermem_views_remove(void)
+{
+	sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
 }
 
 /* The exact-size cache of registration objects (src/reg_ref.rs). */
@@ -487,6 +538,12 @@ bool peermem_dbg(const char *msg)
 	return IS_ENABLED(DEBUG);
 }
 #endif
+
+/* Whether the module's dynamic-debug call site is enabled. */
+bool peermem_dbg_on(void)
+{
+	return peermem_dbg(NULL);
+}
 
 #define PEERMEM_LAYOUT(type, field, off) \
 	static_assert(offsetof(type, field) == (off), #type "." #field " moved")

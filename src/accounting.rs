@@ -16,10 +16,13 @@ use kernel::{
     sync::global_lock, //
 };
 
-use crate::path::{
-    Class,
-    Path,
-    Verdict, //
+use crate::{
+    path::{
+        Class,
+        Path,
+        Verdict, //
+    },
+    stats::Bdf,
 };
 
 pub(crate) use crate::params::PAIRS;
@@ -47,23 +50,6 @@ pub(crate) fn errno_slot(errno: i32) -> usize {
         .iter()
         .position(|&e| e == errno)
         .unwrap_or(ERRNOS.len())
-}
-
-/// Writes a PCI address (domain << 16 | bus << 8 | devfn).
-pub(crate) struct Bdf(pub(crate) u32);
-
-impl fmt::Display for Bdf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let v = self.0;
-        let (dom, bus, dev, func) = (v >> 16, (v >> 8) & 0xff, (v >> 3) & 0x1f, v & 7);
-        write!(f, "{dom:04x}:{bus:02x}:{dev:02x}.{func}")
-    }
-}
-
-impl kernel::fmt::Display for Bdf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
 }
 
 /// How the peer's DMA is translated by an IOMMU.

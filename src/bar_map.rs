@@ -144,23 +144,13 @@ pub(crate) enum DeviceAccess {
 }
 
 impl BarMapping {
-    /// Hands the scatterlist's header to the core; returns its number of
-    /// entries.
-    ///
-    /// # Safety
-    ///
-    /// `head` must point to the core's table for this registration, and
-    /// `slot` be the slot this mapping was built with.
-    pub(crate) unsafe fn publish(&self, slot: &SgSlot, head: *mut bindings::sg_table) -> u32 {
+    /// The scatterlist's header, to hand to the core; `slot` is the slot
+    /// this mapping was built with.
+    pub(crate) fn header(&self, slot: &SgSlot) -> bindings::sg_table {
         match self {
-            // SAFETY: the slot holds this mapping's entry (type invariant);
-            // `head` as promised by the caller.
-            BarMapping::Run(_) => unsafe { slot.publish(head) },
-            BarMapping::Runs(m) => {
-                // SAFETY: as promised by the caller.
-                unsafe { m.sg.publish(head) };
-                m.sg.nents()
-            }
+            // The slot holds this mapping's entry (type invariant).
+            BarMapping::Run(_) => slot.header(),
+            BarMapping::Runs(m) => m.sg.header(),
         }
     }
 
@@ -228,7 +218,7 @@ pub(crate) fn runs<'a>(
 /// drops the device's access before it returns (`take_device_access`).
 /// `peer` must be a device the core keeps alive as long. `slot` is the
 /// registration's, and no other mapping of it uses the slot while the
-/// returned one lives (see [`SgSlot::fill`] and [`SgTable::new`]).
+/// returned one lives (see [`SgSlot::fill`]).
 pub(crate) unsafe fn map(
     pages: &PageView<'_>,
     peer: &PeerDevice,
@@ -255,8 +245,7 @@ pub(crate) unsafe fn map(
         return Ok(BarMapping::Run(Some(last)));
     }
     iovas.push(last, GFP_KERNEL)?;
-    // SAFETY: as promised by the caller.
-    let sg = unsafe { SgTable::new(slot, iovas.len(), iovas.iter().map(RunIova::segment)) }?;
+    let sg = SgTable::new(iovas.len(), iovas.iter().map(RunIova::segment))?;
     // INVARIANT: the scatterlist was built from exactly these runs.
     Ok(BarMapping::Runs(KBox::new(
         BarMap {

@@ -26,6 +26,7 @@ use crate::{
         INVALIDATING, //
     },
     ffi,
+    peer_device::PeerDevice,
     registration::{
         Mode,
         RegRef,
@@ -166,7 +167,11 @@ impl Drop for CoreRegistration {
 unsafe fn called<'a, const INV: bool>(ctx: *mut c_void) -> &'a Registration {
     // SAFETY: `ctx` came from `into_raw` of a reference the core still owns
     // (caller).
-    let reg = unsafe { RegRef::borrow(ctx) };
+    checked::<INV>(unsafe { RegRef::borrow(ctx) })
+}
+
+/// `reg`, once checked to be called through its own client (see [`called`]).
+fn checked<const INV: bool>(reg: &Registration) -> &Registration {
     if (reg.mode() == Mode::Invalidating) != INV {
         crossed();
     }
@@ -258,17 +263,19 @@ unsafe extern "C" fn dma_map<const INV: bool>(
     _dmasync: c_int,
     nmap: *mut c_int,
 ) -> c_int {
-    if sg_head.is_null() || nmap.is_null() {
+    // SAFETY: the core passes its table for this registration, and NULL or a
+    // valid `nmap` (caller).
+    let (Some(head), Some(nmap)) = (unsafe { (sg_head.as_mut(), nmap.as_mut()) }) else {
         return EINVAL.to_errno();
-    }
+    };
     // SAFETY: the core passes a context of this module's (caller).
     let reg = unsafe { called::<INV>(client_context) };
-    // SAFETY: `sg_head` is the core's table for this registration and the core
-    // keeps `dma_device` alive while the registration is mapped.
-    match unsafe { reg.dma_map(sg_head, dma_device) } {
+    // SAFETY: the core keeps `dma_device` alive while the registration is
+    // mapped for it (caller).
+    let peer = unsafe { PeerDevice::new(dma_device) };
+    match reg.dma_map(head, peer) {
         Ok(n) => {
-            // SAFETY: checked non-NULL above.
-            unsafe { *nmap = n as c_int };
+            *nmap = n as c_int;
             0
         }
         Err(e) => e.to_errno(),
@@ -304,9 +311,9 @@ unsafe extern "C" fn put_pages<const INV: bool>(
 ) {
     // SAFETY: `client_context` came from `into_raw` of a reference the core
     // still owns (caller).
-    if unsafe { RegRef::borrow(client_context) }.put_pages_needed() {
-        // SAFETY: as above.
-        unsafe { called::<INV>(client_context) }.put_pages();
+    let reg = unsafe { RegRef::borrow(client_context) };
+    if reg.put_pages_needed() {
+        checked::<INV>(reg).put_pages();
     }
 }
 

@@ -70,12 +70,13 @@ impl CoreLink {
             return;
         }
         // SAFETY: the handle is published, so the hook was written before
-        // (type invariants) and is never written again.
-        let hook = unsafe { *self.hook.get() };
-        if let Some(f) = hook {
-            // SAFETY: the core's own hook with its own handle; it returns 0
-            // for ids it does not know.
-            unsafe { f(handle as *mut c_void, core_context) };
+        // (type invariants) and is never written again; it is the core's own
+        // hook, called with its own handle, and returns 0 for ids it does not
+        // know.
+        unsafe {
+            if let Some(f) = *self.hook.get() {
+                f(handle as *mut c_void, core_context);
+            }
         }
     }
 }

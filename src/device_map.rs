@@ -29,19 +29,12 @@ pub(crate) enum DeviceMap {
 const _: () = assert!(core::mem::size_of::<DeviceMap>() <= 32);
 
 impl DeviceMap {
-    /// Hands the scatterlist's header to the core; returns its number of
-    /// entries.
-    ///
-    /// # Safety
-    ///
-    /// `head` must point to the core's table for this registration, and
-    /// `slot` be the slot this map was built with.
-    pub(crate) unsafe fn publish(&self, slot: &SgSlot, head: *mut bindings::sg_table) -> u32 {
+    /// The scatterlist's header, to hand to the core; `slot` is the slot
+    /// this map was built with.
+    pub(crate) fn header(&self, slot: &SgSlot) -> bindings::sg_table {
         match self {
-            // SAFETY: as promised by the caller.
-            DeviceMap::Bar(m) => unsafe { m.publish(slot, head) },
-            // SAFETY: as promised by the caller.
-            DeviceMap::Provider(m) => unsafe { m.publish(slot, head) },
+            DeviceMap::Bar(m) => m.header(slot),
+            DeviceMap::Provider(m) => m.header(slot),
         }
     }
 

@@ -60,6 +60,8 @@ unsafe extern "C" {
     /// Whether the module's dynamic-debug call site is enabled; prints `msg`
     /// (NUL-terminated, or NULL for none) through it if so.
     pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
+    /// Whether the module's dynamic-debug call site is enabled.
+    pub(crate) safe fn peermem_dbg_on() -> bool;
     /// `dma_map_resource` of a peer's BAR range for `dev`: 0 and the DMA
     /// address in `dma`, or -EIO.
     pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
@@ -126,6 +128,10 @@ unsafe extern "C" {
     /// The value of the module parameter `which` (`params::Param`), -1 for
     /// none.
     pub(crate) safe fn peermem_param(which: c_uint) -> c_int;
+    /// Adds the operator's views in sysfs (`views`). 0 or an errno.
+    pub(crate) safe fn peermem_views_add() -> c_int;
+    /// Removes them; returns once no read of one runs.
+    pub(crate) safe fn peermem_views_remove();
 }
 
 /// `struct peermem_hop` of the C shim.

@@ -258,29 +258,34 @@ impl PageTable {
     /// The table must still be valid, checked by [`PageTable::check`], and
     /// stay valid while the returned view is used.
     pub(crate) unsafe fn pages(&self) -> PageView<'_> {
-        // SAFETY: valid per the caller's guarantee.
-        let t = unsafe { self.0.as_ref() };
-        // Version 2 tables carry `flags` right after the public fields
-        // (nv-p2p.h 580+); version 1 tables have none.
-        let coherent = t.version >> 16 >= 2 && {
-            // SAFETY: a version 2 table is at least as large as
-            // `nvidia_p2p_page_table` with its `flags` field, per the version.
-            let flags = unsafe {
-                self.0
-                    .as_ptr()
-                    .cast::<u8>()
-                    .add(PAGE_TABLE_V2_FLAGS_OFFSET)
-                    .cast::<u32>()
-                    .read_unaligned()
-            };
-            flags & PAGE_TABLE_FLAGS_CPU_CACHEABLE != 0
+        // SAFETY: valid per the caller's guarantee. Version 2 tables carry
+        // `flags` right after the public fields (nv-p2p.h 580+), so a version
+        // 2 table is at least as large as `nvidia_p2p_page_table` with its
+        // `flags` field; version 1 tables have none, and are not read there.
+        let (t, flags) = unsafe {
+            let t = self.0.as_ref();
+            let at = || self.0.as_ptr().cast::<u8>().add(PAGE_TABLE_V2_FLAGS_OFFSET);
+            (
+                t,
+                (t.version >> 16 >= 2).then(|| at().cast::<u32>().read_unaligned()),
+            )
         };
         PageView {
             pages: t.pages,
             entries: t.entries as usize,
-            coherent,
+            coherent: flags.is_some_and(|f| f & PAGE_TABLE_FLAGS_CPU_CACHEABLE != 0),
             _table: core::marker::PhantomData,
         }
+    }
+
+    /// Checks the table as [`PageTable::check`] does and returns its view.
+    ///
+    /// # Safety
+    ///
+    /// As for [`PageTable::pages`], without the check.
+    pub(crate) unsafe fn checked_pages(&self, range: &GpuRange) -> Option<PageView<'_>> {
+        // SAFETY: valid (caller), and checked before the view is made.
+        unsafe { self.check(range).ok().map(|_| self.pages()) }
     }
 
     /// Unpins a non-persistent table. Safe against a racing free callback:
@@ -388,14 +393,9 @@ impl<'a> PageView<'a> {
         if i >= self.entries || self.pages.is_null() {
             return None;
         }
-        // SAFETY: a checked table holds `entries` page pointers, valid while
-        // the table is (the view borrows it).
-        let page = unsafe { *self.pages.add(i) };
-        if page.is_null() {
-            return None;
-        }
-        // SAFETY: as above.
-        Some(unsafe { (*page).physical_address })
+        // SAFETY: a checked table holds `entries` page pointers, each NULL
+        // or to a page, valid while the table is (the view borrows it).
+        unsafe { (*self.pages.add(i)).as_ref() }.map(|p| p.physical_address)
     }
 }
 
@@ -428,11 +428,13 @@ impl DmaMapping {
     /// The mapping must have passed [`DmaMapping::check`] and stay valid
     /// while the slice is used.
     pub(crate) unsafe fn addresses(&self) -> &[u64] {
-        // SAFETY: valid per the caller's guarantee.
-        let m = unsafe { self.0.as_ref() };
-        // SAFETY: the provider allocated `entries` addresses (checked not
-        // null), valid as long as the mapping is.
-        unsafe { core::slice::from_raw_parts(m.dma_addresses, m.entries as usize) }
+        // SAFETY: valid per the caller's guarantee; the provider allocated
+        // `entries` addresses (checked not null), valid as long as the
+        // mapping is.
+        unsafe {
+            let m = self.0.as_ref();
+            core::slice::from_raw_parts(m.dma_addresses, m.entries as usize)
+        }
     }
 
     /// The device the mapping was made for. nvidia.ko records the `peer` of

@@ -9,13 +9,7 @@
 //! the GPU memory is freed under a live registration, NVIDIA's free callback
 //! revokes it through the core's invalidate hook.
 
-use kernel::{
-    debugfs::{
-        Dir,
-        File, //
-    },
-    prelude::*,
-};
+use kernel::prelude::*;
 
 // Layers, each using only those above it in this list:
 // pure logic, tested on the host as well
@@ -43,8 +37,10 @@ mod topology;
 mod client;
 mod core_link;
 mod registration;
+// what operators read
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;
+mod views;
 
 use client::{
     CoreRegistration,
@@ -104,7 +100,7 @@ macro_rules! param {
     };
 }
 
-/// The module: its core registrations and its debugfs files.
+/// The module: its core registrations and its files in sysfs.
 ///
 /// Fields drop in declaration order: the clients unregister first (the core
 /// waits for their registrations, which hold module references, so none is
@@ -113,6 +109,8 @@ macro_rules! param {
 /// (a free callback's last drop may still be returning from its work), then
 /// the statistics go.
 struct NvidiaPeermem {
+    // First: the views read the tables and counters of everything below.
+    _views: views::Views,
     _clients: KVec<CoreRegistration>,
     // After the clients: no callback can be armed; before the reaper: the
     // callbacks that handed it references have returned.
@@ -123,31 +121,6 @@ struct NvidiaPeermem {
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
     _cache: RegCache,
-    _files: [Pin<KBox<File<()>>>; 4],
-    _dir: Dir,
-}
-
-type Formatter<'a> = core::fmt::Formatter<'a>;
-
-/// debugfs `stats`: the counters, and the parameters (also in
-/// /sys/module/nvidia_peermem/parameters/).
-fn show_stats((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
-    stats::STATS.show(f)?;
-    params::Param::ALL
-        .iter()
-        .try_for_each(|(p, name)| writeln!(f, "param_{name} {}", p.value()))
-}
-
-fn show_paths((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
-    accounting::show_paths(f)
-}
-
-fn show_gpus((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
-    accounting::show_gpus(f)
-}
-
-fn show_processes((): &(), f: &mut Formatter<'_>) -> core::fmt::Result {
-    accounting::show_processes(f)
 }
 
 /// Reads and checks the path parameters and copies them where the
@@ -215,37 +188,21 @@ impl kernel::Module for NvidiaPeermem {
             return Err(EINVAL);
         }
         path_parameters()?;
-        let dir = Dir::new(c"nvidia_peermem");
-        let files = [
-            KBox::pin_init(
-                dir.read_callback_file(c"stats", (), &show_stats),
-                GFP_KERNEL,
-            )?,
-            KBox::pin_init(
-                dir.read_callback_file(c"paths", (), &show_paths),
-                GFP_KERNEL,
-            )?,
-            KBox::pin_init(dir.read_callback_file(c"gpus", (), &show_gpus), GFP_KERNEL)?,
-            KBox::pin_init(
-                dir.read_callback_file(c"processes", (), &show_processes),
-                GFP_KERNEL,
-            )?,
-        ];
         let cache = RegCache::new::<Registration>()?;
         let reaper = ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
+        let views = views::Views::new()?;
         let (clients, text) = clients(persistent == 1, legacy == 1)?;
         pr_info!("version {} loaded: {text}\n", env!("PEERMEM_VERSION"));
         Ok(Self {
+            _views: views,
             _clients: clients,
             _callbacks: (persistent != 1).then(p2p::CallbackFence::new),
             _reaper: reaper,
             _watch: watch,
             _waitq: waitq,
             _cache: cache,
-            _files: files,
-            _dir: dir,
         })
     }
 }

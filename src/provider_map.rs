@@ -16,10 +16,11 @@ use crate::{
     range::GPU_PAGE_SIZE,
     sg::{
         SgSlot,
-        SlotTable, //
+        SgTable, //
     },
     stats::{
         fail,
+        At,
         Cause, //
     },
 };
@@ -28,35 +29,30 @@ use crate::{
 ///
 /// # Invariants
 ///
-/// A `Run` mapping owns the registration's slot, which holds its one entry;
-/// a `Runs` mapping's [`SlotTable`] is in the registration's slot.
+/// A `Run` mapping owns the registration's slot, which holds its one entry.
 pub(crate) enum ProviderMapping {
     /// One segment.
     Run { _run: ProviderRun },
-    /// Several segments (drop order: the mapping is undone first, then the
-    /// scatterlist freed).
-    Runs { _run: ProviderRun, sg: SlotTable },
+    /// Several segments (rare: pages the driver mapped apart), in an
+    /// allocation of their own, out of every registration's size.
+    Runs(KBox<ProviderRuns>),
+}
+
+/// A mapping of several segments with its scatterlist.
+pub(crate) struct ProviderRuns {
+    // Drop order: the mapping is undone first, then the scatterlist freed.
+    _run: ProviderRun,
+    sg: SgTable,
 }
 
 impl ProviderMapping {
-    /// Hands the scatterlist's header to the core; returns its number of
-    /// entries.
-    ///
-    /// # Safety
-    ///
-    /// `head` must point to the core's table for this registration, and
-    /// `slot` be the slot this mapping was built with.
-    pub(crate) unsafe fn publish(
-        &self,
-        slot: &SgSlot,
-        head: *mut kernel::bindings::sg_table,
-    ) -> u32 {
+    /// The scatterlist's header, to hand to the core; `slot` is the slot
+    /// this mapping was built with.
+    pub(crate) fn header(&self, slot: &SgSlot) -> kernel::bindings::sg_table {
         match self {
-            // SAFETY: the slot holds this mapping's entry (type invariant);
-            // `head` as promised by the caller.
-            ProviderMapping::Run { .. } => unsafe { slot.publish(head) },
-            // SAFETY: as promised by the caller.
-            ProviderMapping::Runs { sg, .. } => unsafe { sg.publish(head) },
+            // The slot holds this mapping's entry (type invariant).
+            ProviderMapping::Run { .. } => slot.header(),
+            ProviderMapping::Runs(m) => m.sg.header(),
         }
     }
 }
@@ -83,9 +79,7 @@ impl Drop for ProviderRun {
         let Some(m) = self.mapping.take() else { return };
         // SAFETY: the table is still pinned and `m` was made from it and
         // checked (type invariant), so it names the device it was made for.
-        let peer = unsafe { m.peer() };
-        // SAFETY: as above.
-        if let Err(e) = unsafe { self.table.dma_unmap(peer, m) } {
+        if let Err(e) = unsafe { self.table.dma_unmap(m.peer(), m) } {
             // The table stays linked with the mapping; the unpin that follows
             // frees both at the provider.
             fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
@@ -111,18 +105,24 @@ impl ProviderRun {
 /// # Safety
 ///
 /// `table` must be pinned until the returned mapping is dropped.
-unsafe fn driver_map(table: PageTable, entries: u32, peer: &PeerDevice) -> Result<ProviderRun> {
+unsafe fn driver_map(
+    table: PageTable,
+    entries: u32,
+    peer: &PeerDevice,
+    at: At,
+) -> Result<ProviderRun> {
     let pdev = peer.pci();
     // SAFETY: the table is pinned (caller) and `peer` is live.
     let mapping = unsafe { table.dma_map(pdev) }
-        .map_err(|e| fail!(Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
+        .map_err(|e| fail!(at at; Cause::DmaMap, e, "nvidia_p2p_dma_map_pages failed"))?;
     // SAFETY: the mapping was just made, valid until undone.
     if let Err(m) = unsafe { mapping.check(entries) } {
         // SAFETY: made just now from the pinned table for `pdev`.
         if let Err(e) = unsafe { table.dma_unmap(pdev, mapping) } {
-            fail!(Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
+            fail!(at at; Cause::Unpin, e, "nvidia_p2p_dma_unmap_pages failed");
         }
         return Err(fail!(
+            at at;
             Cause::DmaMapping,
             compat::eopnotsupp(),
             "unsupported NVIDIA DMA mapping: {m:?}"
@@ -144,16 +144,16 @@ unsafe fn driver_map(table: PageTable, entries: u32, peer: &PeerDevice) -> Resul
 /// # Safety
 ///
 /// `table` is an alias of a persistent pin that stays pinned until the
-/// returned mapping is dropped; `slot` is as for [`SgSlot::fill`] and
-/// [`SgSlot::coalesced`].
+/// returned mapping is dropped; `slot` is as for [`SgSlot::fill`].
 pub(crate) unsafe fn map(
     table: PageTable,
     entries: u32,
     peer: &PeerDevice,
     slot: &SgSlot,
+    at: At,
 ) -> Result<ProviderMapping> {
     // SAFETY: pinned as long (caller).
-    let run = unsafe { driver_map(table, entries, peer) }?;
+    let run = unsafe { driver_map(table, entries, peer, at) }?;
     let (addrs, max_seg) = (run.addresses(), peer.max_segment());
     let first = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
         .next()
@@ -163,14 +163,16 @@ pub(crate) unsafe fn map(
     if rest == 0 {
         // SAFETY: the slot is this mapping's (caller).
         unsafe { slot.fill(first) }
-            .map_err(|e| fail!(Cause::NoMemory, e, "cannot build the scatterlist"))?;
+            .map_err(|e| fail!(at at; Cause::NoMemory, e, "cannot build the scatterlist"))?;
         return Ok(ProviderMapping::Run { _run: run });
     }
     // One pass over the addresses: the table is sized for one entry per
     // page left (as many as the C module allocates), filled as the
     // segments are found.
-    // SAFETY: the slot is this mapping's (caller) and outlives it.
-    let sg = unsafe { slot.coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg) }
-        .map_err(|e| fail!(Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
-    Ok(ProviderMapping::Runs { _run: run, sg })
+    let sg = SgTable::coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg)
+        .map_err(|e| fail!(at at; Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
+    let runs = KBox::new(ProviderRuns { _run: run, sg }, GFP_KERNEL).map_err(
+        |e| fail!(at at; Cause::NoMemory, Error::from(e), "cannot allocate the scatterlist"),
+    )?;
+    Ok(ProviderMapping::Runs(runs))
 }

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! Exact counters, readable in debugfs as `nvidia_peermem/stats`, and the
-//! once-per-cause error log.
+//! Exact counters, readable in sysfs (`stats/counters`, see `views`), and the
+//! rate-limited refusal log: one line per refusal, naming the process, the
+//! GPU and the HCA, with the errno in the kernel's words.
 
 use core::fmt;
 
@@ -20,7 +21,6 @@ macro_rules! counters {
         pub(crate) struct Stats {
             $($(#[doc = $doc])* pub(crate) $name: Atomic<u64>,)*
             failures: [Atomic<u64>; CAUSES],
-            logged: [Atomic<u32>; CAUSES],
         }
 
         impl Stats {
@@ -28,7 +28,6 @@ macro_rules! counters {
                 Self {
                     $($name: Atomic::new(0),)*
                     failures: [const { Atomic::new(0) }; CAUSES],
-                    logged: [const { Atomic::new(0) }; CAUSES],
                 }
             }
 
@@ -123,10 +122,9 @@ counters! {
 pub(crate) static STATS: Stats = Stats::new();
 
 impl Stats {
-    /// Counts a failure; true the first time for this cause (log it then).
-    pub(crate) fn fail(&self, cause: Cause) -> bool {
+    /// Counts a failure.
+    pub(crate) fn fail(&self, cause: Cause) {
         self.failures[cause as usize].add(1, Relaxed);
-        self.logged[cause as usize].xchg(1, Relaxed) == 0
     }
 
     /// Writes every counter as a `name value` line.
@@ -147,25 +145,108 @@ impl Stats {
     }
 }
 
-/// Counts `err` under `cause` and logs the first occurrence of each cause at
-/// error level; later ones are only counted.
+/// Writes a PCI address (domain << 16 | bus << 8 | devfn); `-` for 0 (not
+/// known).
+#[derive(Clone, Copy)]
+pub(crate) struct Bdf(pub(crate) u32);
+
+impl fmt::Display for Bdf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = self.0;
+        if v == 0 {
+            return f.write_str("-");
+        }
+        let (dom, bus, dev, func) = (v >> 16, (v >> 8) & 0xff, (v >> 3) & 0x1f, v & 7);
+        write!(f, "{dom:04x}:{bus:02x}:{dev:02x}.{func}")
+    }
+}
+
+impl kernel::fmt::Display for Bdf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Where a refusal happened, as far as known: the GPU's and the HCA's PCI
+/// addresses (0: not known at that point, e.g. the HCA before `dma_map`).
+#[derive(Clone, Copy)]
+pub(crate) struct At {
+    pub(crate) gpu: u32,
+    pub(crate) hca: u32,
+}
+
+impl At {
+    /// Neither is known.
+    pub(crate) const UNKNOWN: At = At { gpu: 0, hca: 0 };
+}
+
+/// The kernel's name of an errno, the same on every kernel (not depending on
+/// `CONFIG_SYMBOLIC_ERRNAME`).
+pub(crate) fn errno_name(e: kernel::error::Error) -> &'static str {
+    const NAMES: [(i32, &str); 17] = [
+        (1, "EPERM"),
+        (2, "ENOENT"),
+        (5, "EIO"),
+        (7, "E2BIG"),
+        (11, "EAGAIN"),
+        (12, "ENOMEM"),
+        (13, "EACCES"),
+        (14, "EFAULT"),
+        (16, "EBUSY"),
+        (19, "ENODEV"),
+        (22, "EINVAL"),
+        (28, "ENOSPC"),
+        (34, "ERANGE"),
+        (75, "EOVERFLOW"),
+        (95, "EOPNOTSUPP"),
+        (110, "ETIMEDOUT"),
+        (524, "ENOTSUPP"),
+    ];
+    let n = -e.to_errno();
+    NAMES
+        .iter()
+        .find(|(v, _)| *v == n)
+        .map_or("EOTHER", |(_, name)| name)
+}
+
+/// Counts `err` under `cause` and logs it, rate-limited, with the calling
+/// process and where it happened (`at <At>;` first, if known).
 macro_rules! fail {
+    (at $at:expr; $cause:expr, $err:expr, $($fmt:tt)*) => {
+        $crate::stats::failed($at, $cause, $err, ::core::format_args!($($fmt)*))
+    };
     ($cause:expr, $err:expr, $($fmt:tt)*) => {
-        $crate::stats::failed($cause, $err, ::core::format_args!($($fmt)*))
+        $crate::stats::failed(
+            $crate::stats::At::UNKNOWN,
+            $cause,
+            $err,
+            ::core::format_args!($($fmt)*),
+        )
     };
 }
 pub(crate) use fail;
 
-/// The body of [`fail!`].
+/// The body of [`fail!`]: `refused pid=<tgid> comm=<name> gpu=<bdf> hca=<bdf>
+/// errno=<name>: <what>`, at most 10 lines per 5 s (the kernel's default
+/// rate limit); every refusal is counted.
 #[cold]
 pub(crate) fn failed(
+    at: At,
     cause: Cause,
     err: kernel::error::Error,
     what: fmt::Arguments<'_>,
 ) -> kernel::error::Error {
-    if STATS.fail(cause) {
+    STATS.fail(cause);
+    if crate::ffi::peermem_ratelimit() {
+        let tgid = crate::compat::current_tgid();
+        let comm = crate::compat::comm_of(tgid);
+        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+        let comm = core::str::from_utf8(&comm[..end]).unwrap_or("?");
         kernel::pr_err!(
-            "{what} ({err:?}); later failures of this kind are only counted in debugfs\n"
+            "refused pid={tgid} comm={comm} gpu={} hca={} errno={}: {what}\n",
+            Bdf(at.gpu),
+            Bdf(at.hca),
+            errno_name(err)
         );
     }
     err
@@ -174,8 +255,7 @@ pub(crate) fn failed(
 /// Per-registration detail through the module's dynamic-debug call site.
 macro_rules! reg_dbg {
     ($($fmt:tt)*) => {{
-        // SAFETY: NULL asks whether the call site is enabled, printing nothing.
-        if unsafe { $crate::ffi::peermem_dbg(core::ptr::null()) } {
+        if $crate::ffi::peermem_dbg_on() {
             $crate::stats::debug_line(::core::format_args!($($fmt)*));
         }
     }};

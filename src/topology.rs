@@ -9,7 +9,6 @@ use kernel::prelude::*;
 use crate::{
     accounting::{
         self,
-        Bdf,
         Charge,
         Gpu,
         Pair, //
@@ -31,6 +30,8 @@ use crate::{
     },
     stats::{
         fail,
+        At,
+        Bdf,
         Cause,
         STATS, //
     },
@@ -179,6 +180,14 @@ impl Route {
         }
     }
 
+    /// Where a refusal on this route happened, for its log line.
+    pub(crate) fn at(&self) -> At {
+        At {
+            gpu: self.gpu_id,
+            hca: self.peer,
+        }
+    }
+
     /// The path policy's verdict.
     pub(crate) fn admit(&self) -> Result {
         if self.allowed() {
@@ -195,6 +204,7 @@ impl Route {
         }
         let limit = Class::from_level(level as u32).map_or("?", Class::name);
         fail!(
+            at self.at();
             Cause::PathPolicy,
             EPERM,
             "refused by path_policy={level}: the path between GPU {} and peer {} is {}, worse than {limit}",
@@ -245,6 +255,7 @@ impl Route {
             _ => "no common PCIe switch and the GPU driver's verdict unknown (allow_unverified_paths)",
         };
         fail!(
+            at self.at();
             Cause::Topology,
             e,
             "refused by the topology gate: GPU {gpu} and peer {peer}: {why}"
@@ -375,12 +386,8 @@ const GATE_TRIES: u32 = 3;
 ///
 /// `table` must be a live persistent pin of `range`.
 unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verdict {
-    // SAFETY: live (caller).
-    let phys = match unsafe { table.check(range) } {
-        // SAFETY: live and checked; the view does not outlive this line.
-        Ok(_) => unsafe { table.pages() }.physical_address(0),
-        Err(_) => None,
-    };
+    // SAFETY: live (caller); the view does not outlive this line.
+    let phys = unsafe { table.checked_pages(range) }.and_then(|p| p.physical_address(0));
     let Some(phys) = phys else {
         return Verdict::Unknown;
     };

@@ -238,10 +238,8 @@ impl Registration {
         let t = g.lc.pinned_table().ok()?;
         // SAFETY: Pinned, so the table is ours; a free callback takes this
         // lock before it revokes, and the provider frees the table only after
-        // the callback returns (fact 2): valid while the lock is held.
-        unsafe { t.check(&range) }.ok()?;
-        // SAFETY: as above, and checked just above; the view does not outlive
-        // the lock's section.
-        unsafe { t.pages() }.physical_address(0)
+        // the callback returns (fact 2): valid while the lock is held. The
+        // view does not outlive the lock's section.
+        unsafe { t.checked_pages(&range) }?.physical_address(0)
     }
 }

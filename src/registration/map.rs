@@ -19,13 +19,17 @@ use crate::{
     bar_map, compat,
     device_map::DeviceMap,
     lifecycle::Lifecycle,
-    p2p::PageTable,
+    p2p::{
+        PageTable,
+        PageView, //
+    },
     peer_device::PeerDevice,
     provider_map,
     range::GPU_PAGE_SIZE,
     stats::{
         fail,
         reg_dbg,
+        At,
         Cause,
         STATS, //
     },
@@ -73,20 +77,16 @@ impl Registration {
         }
     }
 
-    /// `dma_map`: maps the pinned pages for `dma_device` and publishes the
-    /// scatterlist in `sg_head`; returns the number of entries.
-    ///
-    /// # Safety
-    ///
-    /// `sg_head` must be the core's table for this registration and
-    /// `dma_device` NULL or a device the core keeps alive while mapped.
-    pub(crate) unsafe fn dma_map(
+    /// `dma_map`: maps the pinned pages for `peer` (`None`: the core's
+    /// `dma_device` is no PCI device) and publishes the scatterlist in
+    /// `head`, the core's table for this registration; returns the number
+    /// of entries.
+    pub(crate) fn dma_map(
         &self,
-        sg_head: *mut bindings::sg_table,
-        dma_device: *mut bindings::device,
+        head: &mut bindings::sg_table,
+        peer: Option<PeerDevice>,
     ) -> Result<u32> {
-        // SAFETY: as promised by the caller.
-        let Some(peer) = (unsafe { PeerDevice::new(dma_device) }) else {
+        let Some(peer) = peer else {
             return Err(fail!(
                 Cause::NotPci,
                 EINVAL,
@@ -95,15 +95,14 @@ impl Registration {
         };
         let table = self.start_map()?;
         // SAFETY: valid until `finish_map` (see `start_map`); checked by
-        // `get_pages`.
+        // `get_pages`. The view does not outlive this call.
         let pages = unsafe { table.pages() };
         let route = Route::of(pages.physical_address(0).unwrap_or(0), &peer);
         let made = self.checks(&route, pages.coherent()).and_then(|()| {
-            self.map_pages(table, peer)
+            self.map_pages(&table, &pages, peer, route.at())
                 .inspect_err(|e| route.failed(*e, self.mode == Mode::Persistent))
         });
-        // SAFETY: `sg_head` is the core's table for this registration (caller).
-        let nents = unsafe { self.finish_map(made, &route, sg_head) }?;
+        let nents = self.finish_map(made, &route, head)?;
         Ok(self.mapped(nents))
     }
 
@@ -165,16 +164,13 @@ impl Registration {
     }
 
     /// Ends a mapping attempt: lets a waiting free callback go, and
-    /// publishes the scatterlist unless the pages were revoked meanwhile.
-    ///
-    /// # Safety
-    ///
-    /// `sg_head` must be the core's table for this registration.
-    unsafe fn finish_map(
+    /// publishes the scatterlist in `head` unless the pages were revoked
+    /// meanwhile.
+    fn finish_map(
         &self,
         made: Result<DeviceMap>,
         route: &Route,
-        sg_head: *mut bindings::sg_table,
+        head: &mut bindings::sg_table,
     ) -> Result<u32> {
         let mut g = self.enter();
         g.mapper = false;
@@ -192,46 +188,51 @@ impl Registration {
             Err(map) => map,
             Ok(()) => {
                 self.installed(&mut g, route);
-                let m = g.lc.map().ok_or(EINVAL)?;
-                // SAFETY: `sg_head` is the core's table (caller); the map was
-                // built with this registration's slot.
-                return Ok(unsafe { m.publish(&self.sg_slot, sg_head) });
+                // The map was built with this registration's slot.
+                *head = g.lc.map().ok_or(EINVAL)?.header(&self.sg_slot);
+                return Ok(head.nents);
             }
         };
         drop(g);
         drop(lost);
         route.failed(EFAULT, false);
         Err(fail!(
+            at route.at();
             Cause::Revoked,
             EFAULT,
             "GPU memory freed while mapping"
         ))
     }
 
-    /// Maps the pages of `table` for `peer`: ourselves for non-persistent
-    /// pins (no lock of the GPU driver's is taken, see `bar_map`), through
-    /// the GPU driver for persistent ones.
-    fn map_pages(&self, table: PageTable, peer: PeerDevice) -> Result<DeviceMap> {
+    /// Maps the pages of `table` (`pages`, its view) for `peer`: ourselves
+    /// for non-persistent pins (no lock of the GPU driver's is taken, see
+    /// `bar_map`), through the GPU driver for persistent ones.
+    fn map_pages(
+        &self,
+        table: &PageTable,
+        pages: &PageView<'_>,
+        peer: PeerDevice,
+        at: At,
+    ) -> Result<DeviceMap> {
         match self.mode {
             Mode::Invalidating => {
-                // SAFETY: checked by `get_pages` and valid during `dma_map`
-                // (see `start_map`); the view does not outlive this block.
-                let pages = unsafe { table.pages() };
                 // SAFETY: pinned until the mapping is dropped (see
                 // `bar_map::map`: `release` unpins after it, a free callback
                 // takes the device's access before it returns); the core
                 // keeps `peer` alive; the slot is this registration's and is
                 // used by one mapping at a time (see `sg_slot`).
-                let map = unsafe { bar_map::map(&pages, &peer, &self.sg_slot) };
+                let map = unsafe { bar_map::map(pages, &peer, &self.sg_slot) };
                 map.map(DeviceMap::Bar)
-                    .map_err(|e| bar_map_failed(e, pages.coherent()))
+                    .map_err(|e| bar_map_failed(at, e, pages.coherent()))
             }
             Mode::Persistent => {
                 let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
-                // SAFETY: a persistent pin, unpinned only by `release` after
-                // the mapping is dropped (the lifecycle hands out the map
-                // first); the slot as above.
-                let map = unsafe { provider_map::map(table, entries, &peer, &self.sg_slot) };
+                // SAFETY: an alias of a persistent pin, unpinned only by
+                // `release` after the mapping is dropped (the lifecycle hands
+                // out the map first), so it outlives the mapping; the slot as
+                // above.
+                let map =
+                    unsafe { provider_map::map(table.alias(), entries, &peer, &self.sg_slot, at) };
                 map.map(DeviceMap::Provider)
             }
         }
@@ -266,15 +267,17 @@ impl Registration {
 }
 
 /// The error of a failed BAR mapping, counted and explained.
-fn bar_map_failed(e: Error, coherent: bool) -> Error {
+fn bar_map_failed(at: At, e: Error, coherent: bool) -> Error {
     if coherent {
         fail!(
+            at at;
             Cause::DmaMap,
             e,
             "mapping coherent GPU memory for the device failed (a device without coherent DMA, or a kernel without DMA_ATTR_REQUIRE_COHERENT)"
         )
     } else {
         fail!(
+            at at;
             Cause::DmaMap,
             e,
             "mapping GPU BAR pages for the device failed"

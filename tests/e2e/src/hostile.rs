@@ -978,7 +978,7 @@ fn mr_outcome(ctx: &mut Ctx, a: &Alloc) -> Result<Result<(), i32>, String> {
 
 /// What the GPU driver's topology verdicts for GPU 0 read in `gpus`.
 fn gate_of_gpus() -> String {
-    std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+    std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
         .unwrap_or_default()
         .split_whitespace()
         .filter(|w| w.starts_with("gate_"))
@@ -1009,6 +1009,9 @@ fn topology_gate_steps(ctx: &mut Ctx) -> Result<String, String> {
     let flag = Knob::emu("p2p_unsupported_chipset", "1")?;
     reload_with(ctx, &[])?;
     let gi0 = ctx.gpu().info();
+    // Refusal lines are rate-limited (10 per 5 s): let the earlier
+    // scenarios' window pass, so that this one's lines are all printed.
+    std::thread::sleep(std::time::Duration::from_millis(5100));
     // A CQ/QP umem is persistent in every mode: the GPU driver maps it.
     let cq = ctx.core.reg(a.va, M, 0);
     let gi1 = ctx.gpu().info();
@@ -1075,7 +1078,18 @@ fn topology_explained(ctx: &Ctx, hca: &str, mark: &LogMark) -> Result<(), String
             .any(|l| l.contains("NVreg_GrdmaPciTopoCheckOverride") && l.contains(hca)),
         "the topology refusal was not explained in the log"
     );
-    let paths = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/paths")
+    // One line per refusal, naming the process, the GPU, the HCA and the
+    // errno in the kernel's words.
+    let who = format!("refused pid={} comm=peermem-e2e gpu=", std::process::id());
+    let refusals: Vec<&String> = log
+        .iter()
+        .filter(|l| l.contains(&who) && l.contains(&format!(" hca={hca} errno=EOPNOTSUPP: ")))
+        .collect();
+    ensure!(
+        refusals.len() == 2 && refusals.iter().all(|l| !l.contains("gpu=- ")),
+        "expected 2 refusal lines (CQ, MR) naming this process, the GPU and HCA {hca}: {refusals:?}"
+    );
+    let paths = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/paths")
         .map_err(|e| format!("paths: {e}"))?;
     ensure!(
         paths

@@ -34,9 +34,10 @@ pub fn loaded(name: &str) -> bool {
     std::path::Path::new(&format!("/sys/module/{name}")).exists()
 }
 
-/// The module's debugfs counters (`name value` lines).
+/// The module's counters (sysfs `stats/counters`, `name value` lines).
 pub fn stats() -> BTreeMap<String, u64> {
-    let s = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/stats").unwrap_or_default();
+    let s =
+        std::fs::read_to_string("/sys/module/nvidia_peermem/stats/counters").unwrap_or_default();
     s.lines()
         .filter_map(|l| {
             let mut it = l.split_whitespace();

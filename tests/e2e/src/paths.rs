@@ -7,7 +7,7 @@
 //! Loads nothing: the plan has loaded the harness and nvidia_peermem
 //! (invalidating, `persistent_api_support=0`, and `path_policy=N` when
 //! `--policy N` is given). Registers MRs on every GPU, moves bytes both ways
-//! through the HCA, and checks debugfs `paths`, `gpus` and `processes`
+//! through the HCA, and checks the sysfs views `paths`, `gpus` and `processes`
 //! against the expectation file (`scripts/qemu-run --print-expected`: lines
 //! `topology NAME` and `gpu<i> CLASS [acs=0|1]`), against the live counts,
 //! against the ACS control registers the guest reads itself, and the
@@ -30,7 +30,7 @@ use crate::{
 
 const K64: u64 = 64 << 10;
 const M: u64 = 1 << 20;
-const DBG: &str = "/sys/kernel/debug/nvidia_peermem";
+const DBG: &str = "/sys/module/nvidia_peermem/stats";
 const CLASSES: [&str; 5] = ["PIX", "PXB", "PHB", "NODE", "SYS"];
 /// printk levels in /dev/kmsg records.
 const KERN_WARNING: u8 = 4;
@@ -99,7 +99,7 @@ fn parse_expect(text: &str) -> Result<Expect, String> {
     })
 }
 
-/// `key=value` fields of one debugfs line.
+/// `key=value` fields of one line of a view.
 fn fields(line: &str) -> BTreeMap<String, String> {
     line.split_whitespace()
         .filter_map(|f| f.split_once('='))
@@ -107,7 +107,7 @@ fn fields(line: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The lines of debugfs `name`, as fields.
+/// The lines of the view `name` (sysfs `stats/<name>`), as fields.
 fn table(name: &str) -> Result<Vec<BTreeMap<String, String>>, String> {
     let path = format!("{DBG}/{name}");
     let s = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;

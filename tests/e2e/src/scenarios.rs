@@ -345,14 +345,14 @@ pub fn quiescent(ctx: &Ctx) -> Result<(), String> {
             "calls of the core overlapped on a persistent registration: {s:?}"
         );
         // Per GPU and per process, exactly nothing is left either.
-        let gpus = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/gpus")
+        let gpus = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
             .map_err(|e| format!("gpus: {e}"))?;
         ensure!(
             gpus.lines()
                 .all(|l| l.contains(" live=0 ") && l.contains(" pinned_bytes=0 ")),
             "per-GPU accounting left: {gpus}"
         );
-        let procs = std::fs::read_to_string("/sys/kernel/debug/nvidia_peermem/processes")
+        let procs = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/processes")
             .map_err(|e| format!("processes: {e}"))?;
         ensure!(procs.is_empty(), "per-process accounting left: {procs}");
     }
@@ -510,8 +510,8 @@ fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
             module::peer_stat("nv_mem", "version").as_deref() == Some(v.as_str()),
             "client version differs from module version"
         );
-        // The parameters, in sysfs as NVIDIA's module has them, and in
-        // debugfs.
+        // The parameters, in sysfs as NVIDIA's module has them, and in the
+        // counters view.
         let st = module::stats();
         let want = (
             u64::from(ctx.mode == Mode::Persistent),
@@ -523,7 +523,7 @@ fn detection_files(ctx: &mut Ctx) -> Result<String, String> {
         );
         ensure!(
             got == (Some(want.0), Some(want.1)),
-            "debugfs parameters {got:?}, expected {want:?}"
+            "counters view parameters {got:?}, expected {want:?}"
         );
         let sysfs = |n: &str| {
             std::fs::read_to_string(format!("/sys/module/nvidia_peermem/parameters/{n}"))
@@ -1640,9 +1640,9 @@ fn leaked_at_unbind() -> usize {
         .unwrap_or(0)
 }
 
-/// The lines of the module's debugfs file `name` (`gpus`, `paths`).
-fn debugfs_lines(name: &str) -> Vec<String> {
-    std::fs::read_to_string(format!("/sys/kernel/debug/nvidia_peermem/{name}"))
+/// The lines of the module's view `name` (sysfs `stats/gpus`, `stats/paths`).
+fn view_lines(name: &str) -> Vec<String> {
+    std::fs::read_to_string(format!("/sys/module/nvidia_peermem/stats/{name}"))
         .unwrap_or_default()
         .lines()
         .map(str::to_string)
@@ -1650,11 +1650,11 @@ fn debugfs_lines(name: &str) -> Vec<String> {
 }
 
 fn gpu_lines() -> Vec<String> {
-    debugfs_lines("gpus")
+    view_lines("gpus")
 }
 
 fn pair_lines() -> Vec<String> {
-    debugfs_lines("paths")
+    view_lines("paths")
 }
 
 /// A GPU loses its driver and gets it back while another GPU's

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! `peermem-e2e stat-check <peermem-stat>`: the operator tool against the live
-//! module. Assumes nvidia_peermem, the emulated GPU driver and core are loaded
-//! and debugfs is mounted. Prints `STAT-CHECK PASS` or `STAT-CHECK FAIL: why`.
+//! `peermem-e2e stat-check <peermem-stat> [--locked]`: the operator tool
+//! against the live module. Assumes nvidia_peermem, the emulated GPU driver
+//! and core are loaded. With `--locked`, first requires what a container or a
+//! Secure Boot node gives: debugfs not mounted and kernel lockdown on (the
+//! tool then reads only sysfs). Prints `STAT-CHECK PASS` or
+//! `STAT-CHECK FAIL: why`.
 
 use std::process::Command;
 
@@ -28,7 +31,10 @@ macro_rules! ensure {
 pub fn main(args: &[String]) -> i32 {
     let r = match args {
         [stat] => check(stat),
-        _ => Err("usage: peermem-e2e stat-check <path-to-peermem-stat>".into()),
+        [stat, locked] if locked == "--locked" => {
+            locked_down().and_then(|why| Ok(format!("{why}; {}", check(stat)?)))
+        }
+        _ => Err("usage: peermem-e2e stat-check <path-to-peermem-stat> [--locked]".into()),
     };
     match r {
         Ok(detail) => {
@@ -41,6 +47,36 @@ pub fn main(args: &[String]) -> i32 {
             1
         }
     }
+}
+
+/// Debugfs is not mounted, kernel lockdown is on, and the module's views
+/// are in sysfs: what `--locked` requires before the check.
+fn locked_down() -> Result<String, String> {
+    let mounts =
+        std::fs::read_to_string("/proc/mounts").map_err(|e| format!("/proc/mounts: {e}"))?;
+    ensure!(
+        !mounts
+            .lines()
+            .any(|l| l.split_whitespace().nth(2) == Some("debugfs")),
+        "debugfs is mounted"
+    );
+    let lockdown = std::fs::read_to_string("/sys/kernel/security/lockdown")
+        .map_err(|e| format!("/sys/kernel/security/lockdown: {e}"))?;
+    ensure!(
+        lockdown.contains("[integrity]") || lockdown.contains("[confidentiality]"),
+        "lockdown is off: {}",
+        lockdown.trim()
+    );
+    for view in ["counters", "paths", "gpus", "processes"] {
+        let f = format!("/sys/module/nvidia_peermem/stats/{view}");
+        let mode = std::fs::metadata(&f).map_err(|e| format!("{f}: {e}"))?;
+        ensure!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o444 == 0o444,
+            "{f} is not readable by everyone"
+        );
+        std::fs::read_to_string(&f).map_err(|e| format!("{f} under lockdown: {e}"))?;
+    }
+    Ok(format!("debugfs unmounted, lockdown {}", lockdown.trim()))
 }
 
 /// Runs peermem-stat with `args`; its stdout (exit status 0 required).
