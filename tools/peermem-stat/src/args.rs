@@ -12,11 +12,13 @@ use clap::{
 };
 
 const AFTER_HELP: &str = "\
-Reads /sys/module/nvidia_peermem/{version,refcnt,parameters/*},
-/sys/kernel/debug/nvidia_peermem/{stats,paths,gpus,processes} (debugfs, needs
-root; paths, gpus and processes only from a module with path diagnostics: a
-view whose file is missing says so in one line), /sys/kernel/mm/memory_peers/*/,
-/sys/module/nvidia/version, and for doctor /dev/kmsg (or --log FILE).
+Reads /sys/module/nvidia_peermem/{version,refcnt,parameters/*}, the module's
+views /sys/module/nvidia_peermem/stats/{counters,paths,gpus,processes}
+(world-readable: no root, no debugfs; from a peermem-rs older than them,
+/sys/kernel/debug/nvidia_peermem/{stats,paths,gpus,processes}, which need
+debugfs mounted and root; a view whose file is missing says why in one line),
+/sys/kernel/mm/memory_peers/*/, /sys/module/nvidia/version, and for doctor
+/dev/kmsg (or --log FILE).
 
 --prometheus, for node_exporter's textfile collector:
   peermem-stat --prometheus > DIR/peermem.prom.$$ && mv DIR/peermem.prom.$$ DIR/peermem.prom
@@ -61,7 +63,7 @@ pub struct Cli {
     #[arg(long, global = true, value_name = "N", requires = "watch",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub count: Option<u64>,
-    /// Read sysfs, debugfs and /dev/kmsg under DIR instead of / (tests)
+    /// Read /sys, /proc and /dev/kmsg under DIR instead of / (tests)
     #[arg(long, global = true, value_name = "DIR", default_value = "/",
           value_parser = NonEmptyStringValueParser::new().map(PathBuf::from))]
     pub root: PathBuf,

@@ -1,22 +1,17 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! The module's path diagnostics: the debugfs files `paths`, `gpus` and
-//! `processes`, one `key=value ...` record per line. A malformed line
-//! becomes an error for that line only; a missing file makes its view
+//! The module's path diagnostics: the files `paths`, `gpus` and `processes`
+//! of /sys/module/nvidia_peermem/stats/ (of debugfs from a peermem-rs older
+//! than its sysfs views), one `key=value ...` record per line. A malformed
+//! line becomes an error for that line only; a missing file makes its view
 //! unavailable, with the reason.
-
-use std::io;
 
 use serde::Serialize;
 
 use crate::{
     render::Obj,
-    sysfs::{parse_u64, Counters, Module, Sys},
+    sysfs::{parse_u64, read_view, Module, Sys, ViewFile, Views, GPUS, PATHS, PROCESSES},
 };
-
-pub const PATHS: &str = "/sys/kernel/debug/nvidia_peermem/paths";
-pub const GPUS: &str = "/sys/kernel/debug/nvidia_peermem/gpus";
-pub const PROCESSES: &str = "/sys/kernel/debug/nvidia_peermem/processes";
 
 /// Path classes, best first, in `nvidia-smi topo -m` vocabulary.
 pub const CLASSES: &[&str] = &["PIX", "PXB", "PHB", "NODE", "SYS"];
@@ -75,6 +70,9 @@ pub struct ProcRec {
 /// A file's records, sorted, and its malformed lines ("line N: why").
 #[derive(Debug, Clone, PartialEq)]
 pub struct Records<T> {
+    /// The file read (sysfs, or debugfs for an older peermem-rs); empty
+    /// when parsed from a string.
+    pub file: &'static str,
     pub records: Vec<T>,
     pub errors: Vec<String>,
 }
@@ -91,43 +89,38 @@ pub struct Diag {
 }
 
 impl Diag {
-    /// Reads the files; `stats` is the outcome of reading `stats` (its
-    /// error explains a missing debugfs better than "no such file").
-    pub fn read(sys: &Sys, module: &Module, stats: &Result<Counters, String>) -> Self {
-        let why = |abs: &str, e: io::Error| -> String {
-            if !module.loaded {
-                return "nvidia_peermem is not loaded".into();
-            }
-            match e.kind() {
-                io::ErrorKind::NotFound => match stats {
-                    Err(why) => why.clone(),
-                    Ok(_) => format!("no {abs}: this nvidia_peermem has no path diagnostics"),
-                },
-                io::ErrorKind::PermissionDenied => {
-                    format!("{abs}: permission denied (debugfs needs root)")
-                }
-                _ => format!("{abs}: {e}"),
-            }
-        };
-        let table = |abs: &str| Sys::read(&sys.path(abs)).map_err(|e| why(abs, e));
+    /// Reads the files where `views` says they are: sysfs first, then
+    /// debugfs.
+    pub fn read(sys: &Sys, views: &Views) -> Self {
+        fn table<T>(
+            sys: &Sys,
+            views: &Views,
+            f: &ViewFile,
+            parse: fn(&str) -> Records<T>,
+        ) -> Table<T> {
+            read_view(sys, views, f).map(|(text, file)| Records {
+                file,
+                ..parse(&text)
+            })
+        }
         Self {
-            paths: table(PATHS).map(|t| parse_paths(&t)),
-            gpus: table(GPUS).map(|t| parse_gpus(&t)),
-            processes: table(PROCESSES).map(|t| parse_processes(&t)),
+            paths: table(sys, views, &PATHS, parse_paths),
+            gpus: table(sys, views, &GPUS, parse_gpus),
+            processes: table(sys, views, &PROCESSES, parse_processes),
         }
     }
 
     /// Every malformed line, as "file: line N: why".
     pub fn errors(&self) -> Vec<String> {
-        fn add<T>(out: &mut Vec<String>, file: &str, t: &Table<T>) {
+        fn add<T>(out: &mut Vec<String>, t: &Table<T>) {
             if let Ok(r) = t {
-                out.extend(r.errors.iter().map(|e| format!("{file}: {e}")));
+                out.extend(r.errors.iter().map(|e| format!("{}: {e}", r.file)));
             }
         }
         let mut out = Vec::new();
-        add(&mut out, PATHS, &self.paths);
-        add(&mut out, GPUS, &self.gpus);
-        add(&mut out, PROCESSES, &self.processes);
+        add(&mut out, &self.paths);
+        add(&mut out, &self.gpus);
+        add(&mut out, &self.processes);
         out
     }
 }
@@ -226,6 +219,7 @@ fn records<T, K: Ord + Clone>(
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Records {
+        file: "",
         records: out.into_iter().map(|(_, r)| r).collect(),
         errors,
     }

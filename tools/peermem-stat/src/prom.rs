@@ -10,9 +10,8 @@
 use std::fmt::Write;
 
 use crate::{
-    diag::{GPUS, PATHS, PROCESSES},
     render::known,
-    sysfs::{Snapshot, STATS},
+    sysfs::{Snapshot, COUNTERS, GPUS, PATHS, PROCESSES},
 };
 
 const PREFIX: &str = "nvidia_peermem_";
@@ -170,16 +169,17 @@ pub fn prometheus(s: &Snapshot) -> String {
     }
     let readable = |t: bool| u64::from(md.loaded && t);
     for (file, ok) in [
-        (STATS, s.stats.is_ok()),
+        (COUNTERS, s.stats.is_ok()),
         (PATHS, s.diag.paths.is_ok()),
         (GPUS, s.diag.gpus.is_ok()),
         (PROCESSES, s.diag.processes.is_ok()),
     ] {
         m.add(
-            "debugfs_readable",
-            "1 when the module's debugfs file could be read (needs root, debugfs mounted, a module that has it)",
+            "view_readable",
+            "1 when the module's operator file could be read: /sys/module/nvidia_peermem/stats/<file> \
+             (from a peermem-rs older than its sysfs views, its debugfs file: needs debugfs mounted and root)",
             g,
-            l(&[("file", file.rsplit('/').next().unwrap_or(file))]),
+            l(&[("file", file.name)]),
             readable(ok),
         );
     }
@@ -203,7 +203,7 @@ pub fn prometheus(s: &Snapshot) -> String {
     if let Ok(stats) = &s.stats {
         for (name, v) in stats {
             let Ok(v) = v else { continue };
-            let help = known(name).unwrap_or("nvidia_peermem debugfs counter");
+            let help = known(name).unwrap_or("nvidia_peermem counter (stats/counters)");
             if let Some(cause) = name.strip_prefix("fail_") {
                 m.add(
                     "failures_total",

@@ -8,7 +8,7 @@ use serde::{Serialize, Serializer};
 
 use crate::{
     detect::{self, RULES},
-    sysfs::{Field, Snapshot, MODULE_DIR, PEERS_DIR, STATS},
+    sysfs::{Field, Snapshot, COUNTERS, MODULE_DIR, PEERS_DIR},
 };
 
 /// The module's counters the table explains (any other name is shown as is),
@@ -208,7 +208,8 @@ fn write_table(o: &mut String, s: &Snapshot, all: bool, rates: Option<&Rates>) -
     writeln!(o)?;
     match &s.stats {
         Ok(stats) => {
-            writeln!(o, "Counters ({STATS})")?;
+            let file = s.stats_file.unwrap_or(COUNTERS.sysfs);
+            writeln!(o, "Counters ({file})")?;
             let mut hidden = 0;
             for (name, v) in stats {
                 if !all && name.starts_with("fail_") && matches!(v, Ok(0)) {

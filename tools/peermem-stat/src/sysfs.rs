@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! Reading sysfs, debugfs and procfs under a root prefix into a [`Snapshot`].
-//! Nothing here panics on what it reads: a bad file becomes an error for its
-//! field only.
+//! Reading sysfs (and, for a peermem-rs older than its sysfs views, debugfs)
+//! and procfs under a root prefix into a [`Snapshot`]. Nothing here panics on
+//! what it reads: a bad file becomes an error for its field only.
 
 use std::{
     fs,
@@ -16,8 +16,15 @@ use crate::{
 };
 
 pub const MODULE_DIR: &str = "/sys/module/nvidia_peermem";
+/// The module's operator views: world-readable files that exist whenever
+/// peermem-rs is loaded (no root, no debugfs; readable under lockdown and in
+/// a container that mounts only /sys).
+pub const VIEWS_DIR: &str = "/sys/module/nvidia_peermem/stats";
+/// Where debugfs is mounted.
 pub const DEBUGFS: &str = "/sys/kernel/debug";
-pub const STATS: &str = "/sys/kernel/debug/nvidia_peermem/stats";
+/// Where a peermem-rs older than its sysfs views kept the same files
+/// (debugfs: mounted, and root, needed).
+pub const DEBUGFS_DIR: &str = "/sys/kernel/debug/nvidia_peermem";
 pub const PEERS_DIR: &str = "/sys/kernel/mm/memory_peers";
 pub const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
 
@@ -26,6 +33,63 @@ pub type Field<T> = Result<T, String>;
 
 /// Named counters, in file order.
 pub type Counters = Vec<(String, Field<u64>)>;
+
+/// One of the module's operator files: where it is, where it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ViewFile {
+    /// Its name under [`VIEWS_DIR`] (the Prometheus `file` label).
+    pub name: &'static str,
+    pub sysfs: &'static str,
+    /// The same file in debugfs, from a peermem-rs older than its sysfs views.
+    pub debugfs: &'static str,
+    /// Why a module that has the other files would not have this one.
+    missing: &'static str,
+}
+
+/// `name value` lines, `param_<name>` lines included.
+pub const COUNTERS: ViewFile = ViewFile {
+    name: "counters",
+    sysfs: "/sys/module/nvidia_peermem/stats/counters",
+    debugfs: "/sys/kernel/debug/nvidia_peermem/stats",
+    missing: "counters unavailable",
+};
+
+/// One GPU/HCA pair per line.
+pub const PATHS: ViewFile = ViewFile {
+    name: "paths",
+    sysfs: "/sys/module/nvidia_peermem/stats/paths",
+    debugfs: "/sys/kernel/debug/nvidia_peermem/paths",
+    missing: "this nvidia_peermem has no path diagnostics",
+};
+
+/// One GPU per line.
+pub const GPUS: ViewFile = ViewFile {
+    name: "gpus",
+    sysfs: "/sys/module/nvidia_peermem/stats/gpus",
+    debugfs: "/sys/kernel/debug/nvidia_peermem/gpus",
+    missing: "this nvidia_peermem has no path diagnostics",
+};
+
+/// One process with live registrations per line.
+pub const PROCESSES: ViewFile = ViewFile {
+    name: "processes",
+    sysfs: "/sys/module/nvidia_peermem/stats/processes",
+    debugfs: "/sys/kernel/debug/nvidia_peermem/processes",
+    missing: "this nvidia_peermem has no path diagnostics",
+};
+
+/// Where this node's nvidia_peermem keeps its operator files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Views {
+    /// [`VIEWS_DIR`]: a peermem-rs with sysfs views.
+    Sysfs,
+    /// [`DEBUGFS_DIR`]: a peermem-rs older than its sysfs views.
+    Debugfs,
+    /// Neither, with the one-line reason every view gives: the module is
+    /// not loaded, is NVIDIA's C module (no counters), or is an older
+    /// peermem-rs whose debugfs is not mounted or not readable.
+    Unavailable(String),
+}
 
 /// Files are small; a larger one is cut here rather than read whole.
 const MAX_FILE: u64 = 1 << 20;
@@ -200,10 +264,16 @@ pub struct DmaBuf {
 #[derive(Debug)]
 pub struct Snapshot {
     pub module: Module,
-    /// The module's debugfs counters, or why they are not shown.
+    /// Where the module's operator files are, or why there are none.
+    pub views: Views,
+    /// The module's counters, or why they are not shown.
     pub stats: Result<Counters, String>,
-    /// "peermem-rs" (our stats present), "other" (module loaded, debugfs
-    /// readable, no stats), None (not loaded or cannot tell).
+    /// The file the counters were read from ([`COUNTERS`] in sysfs, or in
+    /// debugfs for an older peermem-rs).
+    pub stats_file: Option<&'static str>,
+    /// "peermem-rs" (our sysfs or debugfs views present), "other" (module
+    /// loaded, no views in sysfs nor in a readable debugfs: NVIDIA's C
+    /// module), None (not loaded or cannot tell).
     pub implementation: Option<&'static str>,
     pub peers: Vec<Peer>,
     /// memory_peers exists but could not be listed.
@@ -217,7 +287,10 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn read(sys: &Sys) -> Self {
         let mut module = read_module(sys);
-        let (mut stats, implementation) = read_stats(sys, &module);
+        let (views, implementation) = locate(sys, &module);
+        let counters = read_view(sys, &views, &COUNTERS);
+        let stats_file = counters.as_ref().ok().map(|(_, file)| *file);
+        let mut stats = counters.map(|(text, _)| parse_stats(&text));
         // Rust module parameters do not appear in /sys/module/*/parameters
         // (Linux 7.3); the module reports them as `param_<name>` lines.
         if let Ok(counters) = stats.as_mut() {
@@ -233,7 +306,7 @@ impl Snapshot {
             });
             module.parameters.sort_by(|a, b| a.0.cmp(&b.0));
         }
-        let diag = Diag::read(sys, &module, &stats);
+        let diag = Diag::read(sys, &views);
         let (peers, peers_error) = read_peers(sys);
         let detection = detect::stacks()
             .into_iter()
@@ -246,7 +319,9 @@ impl Snapshot {
             .collect();
         Self {
             module,
+            views,
             stats,
+            stats_file,
             implementation,
             peers,
             peers_error,
@@ -289,9 +364,10 @@ impl Snapshot {
             );
         }
         if let Ok(stats) = &self.stats {
+            let file = self.stats_file.unwrap_or(COUNTERS.sysfs);
             for (n, v) in stats {
                 if let Err(e) = v {
-                    out.push(format!("{STATS}: {n}: {e}"));
+                    out.push(format!("{file}: {n}: {e}"));
                 }
             }
         }
@@ -346,37 +422,85 @@ fn read_module(sys: &Sys) -> Module {
     }
 }
 
-const HINT: &str = "mount -t debugfs none /sys/kernel/debug (needs root)";
+/// For a peermem-rs older than its sysfs views.
+const HINT: &str = "mount -t debugfs none /sys/kernel/debug, as root";
 
-fn read_stats(sys: &Sys, module: &Module) -> (Result<Counters, String>, Option<&'static str>) {
+/// The two modules [`VIEWS_DIR`]'s absence leaves possible.
+const NO_VIEWS: &str =
+    "NVIDIA's C module (it has no counters), or a peermem-rs older than its sysfs views";
+
+/// Where the loaded module keeps its operator files, and which module it is.
+pub fn locate(sys: &Sys, module: &Module) -> (Views, Option<&'static str>) {
     if !module.loaded {
-        return (Err("nvidia_peermem is not loaded".into()), None);
+        return (
+            Views::Unavailable("nvidia_peermem is not loaded".into()),
+            None,
+        );
     }
-    let e = match Sys::read(&sys.path(STATS)) {
-        Ok(text) => return (Ok(parse_stats(&text)), Some("peermem-rs")),
-        Err(e) => e,
+    if sys.path(VIEWS_DIR).is_dir() {
+        return (Views::Sysfs, Some("peermem-rs"));
+    }
+    let denied = |at: &str| {
+        format!(
+            "no {VIEWS_DIR}: {NO_VIEWS}, whose debugfs files need root \
+             ({at}: permission denied)"
+        )
     };
-    let why = match e.kind() {
-        io::ErrorKind::PermissionDenied => {
-            format!("{STATS}: permission denied (debugfs needs root)")
+    let why = match fs::metadata(sys.path(DEBUGFS_DIR)) {
+        Ok(m) if m.is_dir() => return (Views::Debugfs, Some("peermem-rs")),
+        Ok(_) => format!("no {VIEWS_DIR}, and {DEBUGFS_DIR} is not a directory"),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => denied(DEBUGFS_DIR),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            match fs::read_dir(sys.path(DEBUGFS)).map(|mut d| d.next()) {
+                Err(e) if e.kind() == io::ErrorKind::PermissionDenied => denied(DEBUGFS),
+                // Missing or empty: nothing mounted there.
+                Err(_) | Ok(None) => {
+                    format!("no {VIEWS_DIR}: {NO_VIEWS} with debugfs not mounted ({HINT})")
+                }
+                // Debugfs readable, and no directory of ours in it.
+                Ok(Some(_)) => {
+                    let why = format!(
+                        "no {VIEWS_DIR} nor {DEBUGFS_DIR}: NVIDIA's C module, which has no counters"
+                    );
+                    return (Views::Unavailable(why), Some("other"));
+                }
+            }
         }
-        io::ErrorKind::NotFound => match fs::read_dir(sys.path(DEBUGFS)).map(|mut d| d.next()) {
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
-                format!("{DEBUGFS}: permission denied (debugfs needs root)")
-            }
-            // Missing or empty: nothing mounted there.
-            Err(_) | Ok(None) => format!("debugfs is not mounted: {HINT}"),
-            Ok(Some(_)) if sys.path("/sys/kernel/debug/nvidia_peermem").exists() => {
-                format!("{STATS} missing: stats unavailable")
-            }
-            Ok(Some(_)) => {
-                let why = format!("no {STATS}: NVIDIA's C module or stats unavailable");
-                return (Err(why), Some("other"));
-            }
-        },
-        _ => format!("{STATS}: {e}"),
+        Err(e) => format!("no {VIEWS_DIR}, and {DEBUGFS_DIR}: {e}"),
     };
-    (Err(why), None)
+    (Views::Unavailable(why), None)
+}
+
+/// The text of one operator file and the file it came from: sysfs first,
+/// then debugfs; or why it cannot be read, in one line.
+pub fn read_view(sys: &Sys, views: &Views, f: &ViewFile) -> Result<(String, &'static str), String> {
+    let (first, fallback) = match views {
+        Views::Unavailable(why) => return Err(why.clone()),
+        Views::Sysfs => (f.sysfs, Some(f.debugfs)),
+        Views::Debugfs => (f.debugfs, None),
+    };
+    match Sys::read(&sys.path(first)) {
+        Ok(text) => return Ok((text, first)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(unreadable(first, &e)),
+    }
+    if let Some(p) = fallback {
+        if let Ok(text) = Sys::read(&sys.path(p)) {
+            return Ok((text, p));
+        }
+    }
+    Err(format!("no {first}: {}", f.missing))
+}
+
+/// Why an existing file could not be read.
+fn unreadable(path: &str, e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::PermissionDenied if path.starts_with(DEBUGFS) => format!(
+            "{path}: permission denied (debugfs needs root; kernel lockdown may also refuse it)"
+        ),
+        io::ErrorKind::PermissionDenied => format!("{path}: permission denied"),
+        _ => format!("{path}: {e}"),
+    }
 }
 
 fn read_peers(sys: &Sys) -> (Vec<Peer>, Option<String>) {

@@ -8,7 +8,7 @@ use std::fmt::Write;
 use serde::{ser::SerializeMap, Serialize, Serializer};
 
 use crate::{
-    diag::{self, pci_key, GpuRec, PathRec, ProcRec, Records, Table, GPUS, PATHS, PROCESSES},
+    diag::{self, pci_key, GpuRec, PathRec, ProcRec, Records, Table},
     sysfs::Snapshot,
 };
 
@@ -72,14 +72,14 @@ fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
         Ok(r) => r,
         Err(why) => return writeln!(o, "Paths: unavailable: {why}"),
     };
-    write!(o, "GPU/HCA paths ({PATHS})")?;
+    write!(o, "GPU/HCA paths ({})", r.file)?;
     match diag::path_policy(&s.module) {
         Some(p) => writeln!(o, ", path policy {p} ({})", diag::policy_meaning(p))?,
         None => writeln!(o)?,
     }
     if r.records.is_empty() {
         writeln!(o, "  no GPU/HCA pair recorded yet")?;
-        return unreadable(o, PATHS, &r.errors);
+        return unreadable(o, r.file, &r.errors);
     }
     let gpus = addresses(r.records.iter().map(|p| p.gpu.as_str()));
     let hcas = addresses(r.records.iter().map(|p| p.hca.as_str()));
@@ -169,7 +169,7 @@ fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
     let right = [false, false, false, true, false, true, true, false, false];
     writeln!(o, "Pairs")?;
     columns(o, &head, &right, &rows)?;
-    unreadable(o, PATHS, &r.errors)
+    unreadable(o, r.file, &r.errors)
 }
 
 /// Writes `rows` under `head`, each column as wide as its widest entry.
@@ -207,7 +207,7 @@ fn columns<const N: usize>(
 /// `peermem-stat --by-gpu`.
 pub fn by_gpu(s: &Snapshot) -> String {
     let mut o = String::new();
-    let _ = write_table(&mut o, "GPUs", GPUS, &s.diag.gpus, |o, r| {
+    let _ = write_table(&mut o, "GPUs", &s.diag.gpus, |o, r| {
         let head = ["gpu", "live", "pinned_bytes", "max_pinned_bytes"];
         let mut rows: Vec<[String; 4]> = r
             .records
@@ -246,7 +246,6 @@ pub fn by_process(s: &Snapshot) -> String {
     let _ = write_table(
         &mut o,
         "Processes with live registrations",
-        PROCESSES,
         &s.diag.processes,
         |o, r| {
             let head = ["tgid", "comm", "live", "pinned_bytes"];
@@ -271,7 +270,6 @@ pub fn by_process(s: &Snapshot) -> String {
 fn write_table<T>(
     o: &mut String,
     title: &str,
-    file: &str,
     t: &Table<T>,
     body: impl FnOnce(&mut String, &Records<T>) -> std::fmt::Result,
 ) -> std::fmt::Result {
@@ -280,12 +278,12 @@ fn write_table<T>(
         Err(why) => return writeln!(o, "{title}: unavailable: {why}"),
     };
     if r.records.is_empty() {
-        writeln!(o, "{title}: none ({file})")?;
+        writeln!(o, "{title}: none ({})", r.file)?;
     } else {
-        writeln!(o, "{title} ({file})")?;
+        writeln!(o, "{title} ({})", r.file)?;
         body(o, r)?;
     }
-    unreadable(o, file, &r.errors)
+    unreadable(o, r.file, &r.errors)
 }
 
 /// A view as JSON: `{"<key>": [records] | null, "<key>_error": why | null,

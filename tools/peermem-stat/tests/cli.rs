@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! peermem-stat against fake sysfs/debugfs trees.
+//! peermem-stat against fake sysfs trees (and the debugfs of a peermem-rs
+//! older than its sysfs views).
 
 use std::{
     fs,
     io::{BufRead, BufReader},
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -92,13 +94,39 @@ impl Tree {
                 "1\n",
             )
             .file("/sys/module/nvidia_peermem/refcnt", "2\n")
-            .file("/sys/kernel/debug/nvidia_peermem/stats", STATS)
+            .file("/sys/module/nvidia_peermem/stats/counters", STATS)
             .file("/sys/kernel/debug/nv_p2p_emu/inject", "")
             .file("/sys/module/nvidia/version", "580.65.06\n")
             .file("/proc/sys/kernel/osrelease", "7.3.0-1-amd64\n");
         peer(&t, "nv_mem", 10, 7, 1_048_576, 851_968);
         peer(&t, "nv_mem_nc", 4, 4, 8192, 8192);
         t
+    }
+
+    /// The module's views moved to where a peermem-rs older than its sysfs
+    /// views kept them: debugfs (`counters` was `stats` there).
+    fn into_debugfs(self) -> Self {
+        fs::create_dir_all(self.at(OLD)).unwrap();
+        for (new, old) in [
+            ("counters", "stats"),
+            ("paths", "paths"),
+            ("gpus", "gpus"),
+            ("processes", "processes"),
+        ] {
+            let from = self.at(&format!("{VIEWS}/{new}"));
+            if from.exists() {
+                fs::rename(from, self.at(&format!("{OLD}/{old}"))).unwrap();
+            }
+        }
+        fs::remove_dir(self.at(VIEWS)).unwrap();
+        self
+    }
+
+    /// Debugfs not mounted: its mount point empty, as in a container.
+    fn unmount_debugfs(&self) -> &Self {
+        fs::remove_dir_all(self.at("/sys/kernel/debug")).unwrap();
+        fs::create_dir(self.at("/sys/kernel/debug")).unwrap();
+        self
     }
 }
 
@@ -165,6 +193,10 @@ fn det(stack: &str, path: Option<&str>) -> (String, bool, Option<String>) {
 }
 
 const NV_MEM: &str = "/sys/kernel/mm/memory_peers/nv_mem/version";
+/// The module's operator views (sysfs).
+const VIEWS: &str = "/sys/module/nvidia_peermem/stats";
+/// Where a peermem-rs older than its sysfs views kept them (debugfs).
+const OLD: &str = "/sys/kernel/debug/nvidia_peermem";
 const NV_MEM_NC: &str = "/sys/kernel/mm/memory_peers/nv_mem_nc/version";
 const MODULE: &str = "/sys/module/nvidia_peermem/version";
 
@@ -318,8 +350,8 @@ fn detection_combinations() {
 }
 
 #[test]
-fn nvidia_c_module_and_missing_debugfs() {
-    // NVIDIA's module: version file, debugfs mounted, no stats of ours.
+fn nvidia_c_module_and_missing_views() {
+    // NVIDIA's module: version file, debugfs mounted, no views of ours.
     let c = Tree::new("c-module");
     c.file(MODULE, "580.65.06\n")
         .file("/sys/module/nvidia_peermem/refcnt", "0\n")
@@ -328,17 +360,29 @@ fn nvidia_c_module_and_missing_debugfs() {
     assert_eq!(v["module"]["loaded"], true);
     assert_eq!(v["module"]["implementation"], "other");
     assert_eq!(v["stats"], Value::Null);
-    let e = v["stats_error"].as_str().unwrap();
-    assert!(e.contains("NVIDIA's C module or stats unavailable"), "{e}");
+    let c_module = "no /sys/module/nvidia_peermem/stats nor /sys/kernel/debug/nvidia_peermem: \
+                    NVIDIA's C module, which has no counters";
+    assert_eq!(v["stats_error"], c_module);
     let (code, out, _) = c.run(&[]);
     assert_eq!(code, 0);
-    assert!(out.contains("NVIDIA's C module or stats unavailable"));
+    assert!(
+        out.contains(&format!("Counters: unavailable: {c_module}\n")),
+        "{out}"
+    );
     assert!(out.contains("implementation other"));
 
-    // Our module, debugfs not mounted: say so, show the rest.
+    // Our module, debugfs not mounted: its sysfs views need none.
     let t = Tree::ours("no-debugfs");
-    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
-    fs::create_dir(t.at("/sys/kernel/debug")).unwrap();
+    t.unmount_debugfs();
+    let v = t.json();
+    assert_eq!(v["stats"]["registrations"], 11);
+    assert_eq!(v["stats_error"], Value::Null);
+    assert_eq!(v["module"]["implementation"], "peermem-rs");
+
+    // An older peermem-rs (debugfs only), debugfs not mounted: say so,
+    // show the rest.
+    let t = Tree::ours("no-debugfs-old").into_debugfs();
+    t.unmount_debugfs();
     let v = t.json();
     assert_eq!(v["stats"], Value::Null);
     assert_eq!(v["module"]["implementation"], Value::Null);
@@ -347,7 +391,10 @@ fn nvidia_c_module_and_missing_debugfs() {
     assert_eq!(v["peers"]["nv_mem"]["live_mrs"], 3);
     let (code, out, _) = t.run(&[]);
     assert_eq!(code, 0);
-    assert!(out.contains("debugfs is not mounted"));
+    assert!(out.contains(
+        "Counters: unavailable: no /sys/module/nvidia_peermem/stats: NVIDIA's C module (it has \
+         no counters), or a peermem-rs older than its sysfs views with debugfs not mounted"
+    ));
     assert!(out.contains("Peer-memory clients"));
 }
 
@@ -355,7 +402,7 @@ fn nvidia_c_module_and_missing_debugfs() {
 fn malformed_files_do_not_panic() {
     let t = Tree::ours("malformed");
     t.file(
-        "/sys/kernel/debug/nvidia_peermem/stats",
+        "/sys/module/nvidia_peermem/stats/counters",
         "live_registrations 3\npinned_bytes abc\n\n  \nlonely\nregistrations 1 2\nacquired 99999999999999999999\nreleases 4\n",
     )
     .file("/sys/module/nvidia_peermem/refcnt", "-1\n")
@@ -395,16 +442,22 @@ fn malformed_files_do_not_panic() {
     assert!(out.contains("refcnt ERR"));
 
     // A directory where a file should be, and a file where a directory should be.
-    let odd = Tree::new("odd");
-    odd.dir("/sys/module/nvidia_peermem/version")
-        .dir("/sys/kernel/debug/nvidia_peermem/stats")
-        .file("/sys/kernel/mm/memory_peers", "not a dir");
-    let v = odd.json();
-    assert_eq!(v["module"]["loaded"], true);
-    assert_eq!(v["module"]["version"], Value::Null);
-    assert_eq!(v["stats"], Value::Null);
-    assert!(v["stats_error"].is_string());
-    assert_eq!(v["peers"], serde_json::json!({}));
+    for (name, counters) in [
+        ("odd", "/sys/module/nvidia_peermem/stats/counters"),
+        ("odd-old", "/sys/kernel/debug/nvidia_peermem/stats"),
+    ] {
+        let odd = Tree::new(name);
+        odd.dir("/sys/module/nvidia_peermem/version")
+            .dir(counters)
+            .file("/sys/kernel/mm/memory_peers", "not a dir");
+        let v = odd.json();
+        assert_eq!(v["module"]["loaded"], true);
+        assert_eq!(v["module"]["version"], Value::Null);
+        assert_eq!(v["stats"], Value::Null);
+        let e = v["stats_error"].as_str().unwrap();
+        assert!(e.starts_with(&format!("{counters}: ")), "{e}");
+        assert_eq!(v["peers"], serde_json::json!({}));
+    }
 }
 
 #[test]
@@ -412,7 +465,7 @@ fn rates_between_snapshots() {
     let t = Tree::ours("rates");
     let a = Snapshot::read(&Sys::new(t.root()));
     t.file(
-        "/sys/kernel/debug/nvidia_peermem/stats",
+        "/sys/module/nvidia_peermem/stats/counters",
         STATS
             .replace("registrations 11", "registrations 31")
             .replace("invalidations 2\n", "invalidations 7\n"),
@@ -472,7 +525,7 @@ fn watch_prints_frames_and_rates() {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     t.file(
-        "/sys/kernel/debug/nvidia_peermem/stats",
+        "/sys/module/nvidia_peermem/stats/counters",
         STATS
             .replace("registrations 11", "registrations 21")
             .replace("invalidations 2\n", "invalidations 6\n"),
@@ -539,12 +592,12 @@ fn exit_codes() {
 }
 
 #[test]
-fn parameters_from_debugfs_when_sysfs_has_none() {
-    // Linux 7.3 gives Rust module parameters no sysfs files: the module
-    // reports them as param_* lines in its stats.
-    let t = Tree::new("params-debugfs");
+fn parameters_from_counters_when_sysfs_has_none() {
+    // Linux 7.3 gives Rust module parameters no parameters/ files: the
+    // module reports them as param_* lines in its counters.
+    let t = Tree::new("params-counters");
     t.file(MODULE, "0.1.0\n").file(
-        "/sys/kernel/debug/nvidia_peermem/stats",
+        "/sys/module/nvidia_peermem/stats/counters",
         format!("{STATS}param_persistent_api_support 1\nparam_peerdirect_support 0\n"),
     );
     let v = t.json();
@@ -557,7 +610,7 @@ fn parameters_from_debugfs_when_sysfs_has_none() {
         out.contains("parameters: peerdirect_support=0 persistent_api_support=1"),
         "{out}"
     );
-    // sysfs wins where it has the parameter.
+    // parameters/ wins where it has the parameter.
     t.file(
         "/sys/module/nvidia_peermem/parameters/persistent_api_support",
         "0\n",
@@ -566,11 +619,18 @@ fn parameters_from_debugfs_when_sysfs_has_none() {
         t.json()["module"]["parameters"]["persistent_api_support"],
         "0"
     );
+    // An older peermem-rs: the same lines, from debugfs.
+    let t = Tree::new("params-counters-old");
+    t.file(MODULE, "0.1.0\n").file(
+        &format!("{OLD}/stats"),
+        format!("{STATS}param_path_policy 3\n"),
+    );
+    let v = t.json();
+    assert_eq!(v["module"]["parameters"]["path_policy"], "3");
+    assert!(v["stats"].get("param_path_policy").is_none());
 }
 
 // Path diagnostics: paths, gpus, processes.
-
-const DBG: &str = "/sys/kernel/debug/nvidia_peermem";
 
 /// Two GPUs x two HCAs, every mark, lines out of order.
 const PATHS: &str = "\
@@ -594,12 +654,12 @@ tgid=77 comm=say\"hi\\ live=2 pinned_bytes=131072
 fn with_diag(name: &str) -> Tree {
     let t = Tree::ours(name);
     t.file(
-        &format!("{DBG}/stats"),
+        &format!("{VIEWS}/counters"),
         format!("{STATS}fail_path_policy 9\nparam_path_policy 3\n"),
     )
-    .file(&format!("{DBG}/paths"), PATHS)
-    .file(&format!("{DBG}/gpus"), GPUS)
-    .file(&format!("{DBG}/processes"), PROCESSES);
+    .file(&format!("{VIEWS}/paths"), PATHS)
+    .file(&format!("{VIEWS}/gpus"), GPUS)
+    .file(&format!("{VIEWS}/processes"), PROCESSES);
     t
 }
 
@@ -611,7 +671,7 @@ fn paths_matrix_with_every_mark() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines[0],
-        "GPU/HCA paths (/sys/kernel/debug/nvidia_peermem/paths), path policy 3 (refuse paths worse than PHB)"
+        "GPU/HCA paths (/sys/module/nvidia_peermem/stats/paths), path policy 3 (refuse paths worse than PHB)"
     );
     assert_eq!(lines[1], format!("{:17}  HCA0     HCA1", ""));
     assert_eq!(lines[2], "GPU0 0000:00:03.0  PIX      SYS+A+I");
@@ -698,22 +758,22 @@ fn paths_matrix_with_every_mark() {
     // A pair the module has not seen: `-`; no policy parameter: no policy.
     let t = Tree::ours("paths-missing-pair");
     t.file(
-        &format!("{DBG}/paths"),
+        &format!("{VIEWS}/paths"),
         PATHS.lines().skip(1).collect::<Vec<_>>().join("\n"),
     );
     let (_, out, _) = t.run(&["paths"]);
-    assert!(out.starts_with("GPU/HCA paths (/sys/kernel/debug/nvidia_peermem/paths)\n"));
+    assert!(out.starts_with("GPU/HCA paths (/sys/module/nvidia_peermem/stats/paths)\n"));
     assert!(out.contains("\nGPU1 0000:81:00.0  -+I      -\n"), "{out}");
 }
 
 #[test]
 fn absent_diagnostics_files() {
-    // An older module: stats only. Each view says so in one line.
+    // A module with counters only. Each view says so in one line.
     let t = Tree::ours("no-diag");
     for (args, line) in [
-        (&["paths"][..], "Paths: unavailable: no /sys/kernel/debug/nvidia_peermem/paths: this nvidia_peermem has no path diagnostics\n"),
-        (&["--by-gpu"], "GPUs: unavailable: no /sys/kernel/debug/nvidia_peermem/gpus: this nvidia_peermem has no path diagnostics\n"),
-        (&["--by-process"], "Processes with live registrations: unavailable: no /sys/kernel/debug/nvidia_peermem/processes: this nvidia_peermem has no path diagnostics\n"),
+        (&["paths"][..], "Paths: unavailable: no /sys/module/nvidia_peermem/stats/paths: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-gpu"], "GPUs: unavailable: no /sys/module/nvidia_peermem/stats/gpus: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-process"], "Processes with live registrations: unavailable: no /sys/module/nvidia_peermem/stats/processes: this nvidia_peermem has no path diagnostics\n"),
     ] {
         let (code, out, err) = t.run(args);
         assert_eq!((code, out.as_str(), err.as_str()), (0, line, ""), "{args:?}");
@@ -724,7 +784,7 @@ fn absent_diagnostics_files() {
     assert!(out.contains("Counters (") && !out.contains("Unreadable"));
     assert_eq!(t.json()["stats"]["registrations"], 11);
     // Only one file missing: the others still shown.
-    t.file(&format!("{DBG}/gpus"), GPUS);
+    t.file(&format!("{VIEWS}/gpus"), GPUS);
     assert!(t.run(&["--by-gpu"]).1.starts_with("GPUs (/sys"));
     let (_, v) = view_json(&t, "paths");
     assert_eq!(v["paths"], Value::Null);
@@ -733,7 +793,20 @@ fn absent_diagnostics_files() {
         .unwrap()
         .contains("no path diagnostics"));
 
-    // Not loaded: nothing found; debugfs not mounted: the stats' reason.
+    // An older peermem-rs with stats only, in debugfs: the same, naming
+    // the debugfs files.
+    let t = Tree::ours("no-diag-old").into_debugfs();
+    for (args, line) in [
+        (&["paths"][..], "Paths: unavailable: no /sys/kernel/debug/nvidia_peermem/paths: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-gpu"], "GPUs: unavailable: no /sys/kernel/debug/nvidia_peermem/gpus: this nvidia_peermem has no path diagnostics\n"),
+        (&["--by-process"], "Processes with live registrations: unavailable: no /sys/kernel/debug/nvidia_peermem/processes: this nvidia_peermem has no path diagnostics\n"),
+    ] {
+        let (code, out, err) = t.run(args);
+        assert_eq!((code, out.as_str(), err.as_str()), (0, line, ""), "{args:?}");
+    }
+    assert_eq!(t.json()["stats"]["registrations"], 11);
+
+    // Not loaded: nothing found; no views: the counters' reason.
     let none = Tree::new("no-diag-none");
     let (code, out, _) = none.run(&["paths"]);
     assert_eq!(code, 2);
@@ -741,20 +814,18 @@ fn absent_diagnostics_files() {
     let (code, v) = view_json(&none, "--by-process");
     assert_eq!(code, 2);
     assert_eq!(v["processes_error"], "nvidia_peermem is not loaded");
-    let t = with_diag("no-diag-debugfs");
-    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
-    fs::create_dir(t.at("/sys/kernel/debug")).unwrap();
+    let t = with_diag("no-diag-debugfs").into_debugfs();
+    t.unmount_debugfs();
     let (code, out, _) = t.run(&["--by-gpu"]);
     assert_eq!(code, 0);
-    assert!(
-        out.starts_with("GPUs: unavailable: debugfs is not mounted") && out.lines().count() == 1,
-        "{out}"
-    );
+    let why = t.json()["stats_error"].as_str().unwrap().to_string();
+    assert!(why.contains("debugfs not mounted"), "{why}");
+    assert_eq!(out, format!("GPUs: unavailable: {why}\n"));
 
     // Empty files: nothing recorded yet.
     let t = Tree::ours("diag-empty");
     for f in ["paths", "gpus", "processes"] {
-        t.file(&format!("{DBG}/{f}"), "");
+        t.file(&format!("{VIEWS}/{f}"), "");
     }
     assert!(t.run(&["paths"]).1.contains("no GPU/HCA pair recorded yet"));
     assert!(t
@@ -835,7 +906,7 @@ fn by_gpu_and_by_process_tables() {
         .collect();
     assert_eq!(
         out.lines().next(),
-        Some("GPUs (/sys/kernel/debug/nvidia_peermem/gpus)")
+        Some("GPUs (/sys/module/nvidia_peermem/stats/gpus)")
     );
     assert_eq!(
         rows[1..],
@@ -874,11 +945,11 @@ fn by_gpu_and_by_process_tables() {
 
     // Malformed lines: listed, the rest shown.
     t.file(
-        &format!("{DBG}/gpus"),
+        &format!("{VIEWS}/gpus"),
         format!("{GPUS}gpu=0000:00:03.0 live=9 pinned_bytes=0 max_pinned_bytes=0\ngpu=x live=-1\n"),
     );
     let (_, out, _) = t.run(&["--by-gpu"]);
-    assert!(out.contains("Unreadable lines of /sys/kernel/debug/nvidia_peermem/gpus\n  line 3: gpu=0000:00:03.0 repeated\n  line 4: live: not a number"), "{out}");
+    assert!(out.contains("Unreadable lines of /sys/module/nvidia_peermem/stats/gpus\n  line 3: gpu=0000:00:03.0 repeated\n  line 4: live: not a number"), "{out}");
     assert!(out.contains("\n  0000:00:03.0    3 "), "{out}");
     let (_, v) = view_json(&t, "--by-gpu");
     assert_eq!(v["errors"].as_array().unwrap().len(), 2);
@@ -1062,7 +1133,7 @@ fn prometheus_exposition() {
 
     // A counter of a newer module: untyped, under its own name.
     t.file(
-        &format!("{DBG}/stats"),
+        &format!("{VIEWS}/counters"),
         format!("{STATS}fail_path_policy 9\nparam_path_policy 3\nnew_thing 4\n"),
     );
     let (_, out, _) = t.run(&["--prometheus"]);
@@ -1078,9 +1149,10 @@ fn prometheus_exposition() {
     assert_eq!(code, 0);
     let s = exposition(&out);
     assert_eq!(series(&s, "nvidia_peermem_up", &[]), Some(("gauge", 1.0)));
-    let readable = |f| series(&s, "nvidia_peermem_debugfs_readable", &[("file", f)]);
+    let readable = |f| series(&s, "nvidia_peermem_view_readable", &[("file", f)]);
     assert_eq!(readable("paths"), Some(("gauge", 0.0)));
-    assert_eq!(readable("stats"), Some(("gauge", 1.0)));
+    assert_eq!(readable("counters"), Some(("gauge", 1.0)));
+    assert!(!out.contains("debugfs_readable"), "{out}");
     assert!(!out.contains("nvidia_peermem_path_") && !out.contains("nvidia_peermem_gpu_"));
 
     // Nothing loaded: still an exposition, up 0, exit 0 (a cron job keeps
@@ -1096,6 +1168,346 @@ fn prometheus_exposition() {
         series(&exposition(&text), "nvidia_peermem_up", &[]),
         Some(("gauge", 0.0))
     );
+}
+
+// Where the views are: sysfs, debugfs (an older peermem-rs), neither.
+
+/// Every view of `t` (with_diag's fixture, wherever its files are) as
+/// read from `dir`: the overview, paths, --by-gpu, --by-process, their
+/// JSON, the Prometheus exposition and doctor.
+fn every_view_reads(t: &Tree, counters: &str, dir: &str) {
+    let (code, out, err) = t.run(&[]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    assert!(
+        out.contains("implementation peermem-rs") && out.contains("path_policy=3"),
+        "{out}"
+    );
+    assert!(out.contains(&format!("\nCounters ({counters})\n")), "{out}");
+    assert!(
+        !out.contains("unavailable") && !out.contains("Unreadable"),
+        "{out}"
+    );
+    let v = t.json();
+    assert_eq!(v["module"]["implementation"], "peermem-rs");
+    assert_eq!(v["module"]["parameters"]["path_policy"], "3");
+    assert_eq!(v["stats"]["registrations"], 11);
+    assert_eq!(v["stats"]["fail_path_policy"], 9);
+    assert_eq!(v["stats_error"], Value::Null);
+    assert_eq!(v["errors"], serde_json::json!([]));
+
+    let (code, out, _) = t.run(&["paths"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with(&format!(
+            "GPU/HCA paths ({dir}/paths), path policy 3 (refuse paths worse than PHB)\n"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("\nGPU0 0000:00:03.0  PIX      SYS+A+I\n"),
+        "{out}"
+    );
+    let (_, out, _) = t.run(&["--by-gpu"]);
+    assert!(out.starts_with(&format!("GPUs ({dir}/gpus)\n")), "{out}");
+    assert!(out.contains("\n  total "), "{out}");
+    let (_, out, _) = t.run(&["--by-process"]);
+    assert!(
+        out.starts_with(&format!(
+            "Processes with live registrations ({dir}/processes)\n"
+        )),
+        "{out}"
+    );
+    assert!(out.contains(" peermem-e2e "), "{out}");
+    for (view, key, n) in [
+        ("paths", "paths", 4),
+        ("--by-gpu", "gpus", 2),
+        ("--by-process", "processes", 2),
+    ] {
+        let (code, v) = view_json(t, view);
+        assert_eq!(code, 0);
+        assert_eq!(v[key].as_array().unwrap().len(), n, "{view}");
+        assert_eq!(v[format!("{key}_error")], Value::Null, "{view}");
+    }
+
+    let (code, out, err) = t.run(&["--prometheus"]);
+    assert_eq!((code, err.as_str()), (0, ""));
+    let s = exposition(&out);
+    for f in ["counters", "paths", "gpus", "processes"] {
+        assert_eq!(
+            series(&s, "nvidia_peermem_view_readable", &[("file", f)]),
+            Some(("gauge", 1.0)),
+            "{f}"
+        );
+    }
+    assert_eq!(
+        series(
+            &s,
+            "nvidia_peermem_info",
+            &[("version", "0.1.0"), ("implementation", "peermem-rs")]
+        ),
+        Some(("gauge", 1.0))
+    );
+    assert_eq!(
+        series(&s, "nvidia_peermem_registrations_total", &[]),
+        Some(("counter", 11.0))
+    );
+    assert_eq!(
+        series(
+            &s,
+            "nvidia_peermem_gpu_live_registrations",
+            &[("gpu", "0000:81:00.0")]
+        ),
+        Some(("gauge", 1.0))
+    );
+    assert_eq!(
+        series(
+            &s,
+            "nvidia_peermem_process_pinned_bytes",
+            &[("tgid", "123"), ("comm", "peermem-e2e")]
+        ),
+        Some(("gauge", 131072.0))
+    );
+
+    // Doctor: its findings from these files, nothing left unchecked.
+    let (code, lines, err) = doctor(t, &[]);
+    assert_eq!((code, err.as_str()), (3, ""));
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with(
+            "path-policy-refusals: 9 registrations refused by the path policy (path_policy=3: \
+             refuse paths worse than PHB): GPU 0000:00:03.0 - HCA 0000:82:00.0 (SYS) 9. Fix:"
+        ),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn sysfs_views_without_debugfs() {
+    // A container that mounts only /sys, or a node under lockdown: no
+    // debugfs at all, not even its mount point.
+    let t = with_diag("sysfs-only");
+    fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
+    every_view_reads(&t, "/sys/module/nvidia_peermem/stats/counters", VIEWS);
+    // Pins of an exited process, from the sysfs processes file.
+    t.file(
+        &format!("{VIEWS}/processes"),
+        format!("{PROCESSES}tgid=4242 comm= live=2 pinned_bytes=131072\n"),
+    );
+    assert_eq!(
+        findings(&t, &[]),
+        ["path-policy-refusals", "pins-after-exit"]
+    );
+    // Malformed lines name the sysfs file.
+    t.file(&format!("{VIEWS}/gpus"), format!("{GPUS}gpu=x live=-1\n"));
+    let errors = t.json()["errors"].clone();
+    assert_eq!(
+        errors,
+        serde_json::json!([
+            "/sys/module/nvidia_peermem/stats/gpus: line 3: live: not a number: \"-1\""
+        ])
+    );
+
+    // Sysfs first: a stale copy in debugfs is not read.
+    t.file(
+        &format!("{OLD}/stats"),
+        STATS.replace("registrations 11", "registrations 99"),
+    )
+    .file(&format!("{OLD}/paths"), "");
+    assert_eq!(t.json()["stats"]["registrations"], 11);
+    assert_eq!(
+        view_json(&t, "paths").1["paths"].as_array().unwrap().len(),
+        4
+    );
+}
+
+#[test]
+fn debugfs_views_of_an_older_module() {
+    // A peermem-rs older than its sysfs views: the same files in debugfs
+    // (mounted, read as root).
+    let t = with_diag("old-layout").into_debugfs();
+    assert!(!t.at(VIEWS).exists() && t.at(&format!("{OLD}/stats")).exists());
+    every_view_reads(&t, "/sys/kernel/debug/nvidia_peermem/stats", OLD);
+    // Malformed lines name the debugfs files.
+    t.file(
+        &format!("{OLD}/stats"),
+        format!("{STATS}pinned_bytes x\nbad\n"),
+    )
+    .file(&format!("{OLD}/gpus"), format!("{GPUS}gpu=x live=-1\n"));
+    let errors = t.json()["errors"].clone();
+    assert_eq!(
+        errors,
+        serde_json::json!([
+            "/sys/kernel/debug/nvidia_peermem/stats: bad: no value",
+            "/sys/kernel/debug/nvidia_peermem/gpus: line 3: live: not a number: \"-1\""
+        ])
+    );
+    assert!(t
+        .run(&["--by-gpu"])
+        .1
+        .contains("Unreadable lines of /sys/kernel/debug/nvidia_peermem/gpus\n"));
+
+    // A module with sysfs views lacking one file: that file from debugfs.
+    let t = with_diag("mixed-layout");
+    fs::remove_file(t.at(&format!("{VIEWS}/gpus"))).unwrap();
+    t.file(&format!("{OLD}/gpus"), GPUS);
+    assert!(t
+        .run(&["--by-gpu"])
+        .1
+        .starts_with("GPUs (/sys/kernel/debug/nvidia_peermem/gpus)\n"));
+    fs::remove_file(t.at(&format!("{OLD}/gpus"))).unwrap();
+    assert_eq!(
+        t.run(&["--by-gpu"]).1,
+        "GPUs: unavailable: no /sys/module/nvidia_peermem/stats/gpus: \
+         this nvidia_peermem has no path diagnostics\n"
+    );
+}
+
+/// Every view of `t` gives `why`, in one line each; the rest is shown.
+fn every_view_says(t: &Tree, why: &str, implementation: &str) {
+    for (args, title) in [
+        (&["paths"][..], "Paths"),
+        (&["--by-gpu"], "GPUs"),
+        (&["--by-process"], "Processes with live registrations"),
+    ] {
+        let (code, out, err) = t.run(args);
+        assert_eq!(
+            (code, out.as_str(), err.as_str()),
+            (0, format!("{title}: unavailable: {why}\n").as_str(), ""),
+            "{args:?}"
+        );
+    }
+    let (code, out, _) = t.run(&[]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains(&format!("\nCounters: unavailable: {why}\n")),
+        "{out}"
+    );
+    assert!(out.contains("Peer-memory clients (") && out.contains("NCCL      YES"));
+    let v = t.json();
+    assert_eq!(v["stats"], Value::Null);
+    assert_eq!(v["stats_error"], why);
+    assert_eq!(v["peers"]["nv_mem"]["live_mrs"], 3);
+    for (view, key) in [
+        ("paths", "paths"),
+        ("--by-gpu", "gpus"),
+        ("--by-process", "processes"),
+    ] {
+        let (code, v) = view_json(t, view);
+        assert_eq!(code, 0);
+        assert_eq!(v[key], Value::Null, "{view}");
+        assert_eq!(v[format!("{key}_error")], why, "{view}");
+    }
+    let (code, out, _) = t.run(&["--prometheus"]);
+    assert_eq!(code, 0);
+    let s = exposition(&out);
+    assert_eq!(series(&s, "nvidia_peermem_up", &[]), Some(("gauge", 1.0)));
+    assert_eq!(
+        series(
+            &s,
+            "nvidia_peermem_info",
+            &[("version", "0.1.0"), ("implementation", implementation)]
+        ),
+        Some(("gauge", 1.0))
+    );
+    for f in ["counters", "paths", "gpus", "processes"] {
+        assert_eq!(
+            series(&s, "nvidia_peermem_view_readable", &[("file", f)]),
+            Some(("gauge", 0.0)),
+            "{f}"
+        );
+    }
+    assert!(
+        !out.contains("nvidia_peermem_registrations_total")
+            && !out.contains("nvidia_peermem_gpu_")
+            && out.contains("nvidia_peermem_peer_live_mrs"),
+        "{out}"
+    );
+    let (code, lines, err) = doctor(t, &[]);
+    assert_eq!((code, lines), (0, vec!["ok".to_string()]));
+    assert!(
+        err.contains(&format!("not checked: counters: {why}\n")),
+        "{err}"
+    );
+}
+
+#[test]
+fn no_views_one_reason() {
+    // Loaded, no sysfs views, debugfs not mounted: NVIDIA's C module or an
+    // older peermem-rs, which cannot be told apart; both named.
+    let not_mounted = "no /sys/module/nvidia_peermem/stats: NVIDIA's C module (it has no \
+                       counters), or a peermem-rs older than its sysfs views with debugfs not \
+                       mounted (mount -t debugfs none /sys/kernel/debug, as root)";
+    let t = with_diag("no-views").into_debugfs();
+    t.unmount_debugfs();
+    every_view_says(&t, not_mounted, "unknown");
+    // Not even debugfs's mount point: the same.
+    fs::remove_dir(t.at("/sys/kernel/debug")).unwrap();
+    every_view_says(&t, not_mounted, "unknown");
+
+    // Debugfs mounted, nothing of ours in it: NVIDIA's C module.
+    t.dir("/sys/kernel/debug/dri");
+    every_view_says(
+        &t,
+        "no /sys/module/nvidia_peermem/stats nor /sys/kernel/debug/nvidia_peermem: \
+         NVIDIA's C module, which has no counters",
+        "other",
+    );
+
+    // Debugfs not readable (not root): said where permissions apply (root
+    // reads it anyway).
+    let t = with_diag("no-views-denied").into_debugfs();
+    let debug = t.at("/sys/kernel/debug");
+    fs::set_permissions(&debug, fs::Permissions::from_mode(0o000)).unwrap();
+    let denied = fs::read_dir(&debug).is_err();
+    if denied {
+        every_view_says(
+            &t,
+            "no /sys/module/nvidia_peermem/stats: NVIDIA's C module (it has no counters), or a \
+             peermem-rs older than its sysfs views, whose debugfs files need root \
+             (/sys/kernel/debug/nvidia_peermem: permission denied)",
+            "unknown",
+        );
+    } else {
+        assert_eq!(t.json()["stats"]["registrations"], 11);
+    }
+    fs::set_permissions(&debug, fs::Permissions::from_mode(0o755)).unwrap();
+    // A file of ours not readable, in debugfs or in sysfs (where it is
+    // 0444: only a security policy refuses it).
+    let counters = t.at(&format!("{OLD}/stats"));
+    fs::set_permissions(&counters, fs::Permissions::from_mode(0o000)).unwrap();
+    if denied {
+        assert_eq!(
+            t.json()["stats_error"],
+            "/sys/kernel/debug/nvidia_peermem/stats: permission denied (debugfs needs root; \
+             kernel lockdown may also refuse it)"
+        );
+    }
+    let t = with_diag("no-views-denied-sysfs");
+    let counters = t.at(&format!("{VIEWS}/counters"));
+    fs::set_permissions(&counters, fs::Permissions::from_mode(0o000)).unwrap();
+    if denied {
+        let v = t.json();
+        assert_eq!(
+            v["stats_error"],
+            "/sys/module/nvidia_peermem/stats/counters: permission denied"
+        );
+        // The other views are still read.
+        assert_eq!(v["module"]["implementation"], "peermem-rs");
+        assert_eq!(view_json(&t, "--by-gpu").1["gpus_error"], Value::Null);
+    }
+
+    // Not loaded: the same one reason everywhere.
+    let t = Tree::new("no-views-unloaded");
+    for (view, key) in [
+        ("paths", "paths"),
+        ("--by-gpu", "gpus"),
+        ("--by-process", "processes"),
+    ] {
+        let (code, v) = view_json(&t, view);
+        assert_eq!(code, 2);
+        assert_eq!(v[format!("{key}_error")], "nvidia_peermem is not loaded");
+    }
+    assert_eq!(t.json()["stats_error"], "nvidia_peermem is not loaded");
 }
 
 // doctor: one fixture tree per finding.
@@ -1125,7 +1537,7 @@ fn findings(t: &Tree, args: &[&str]) -> Vec<String> {
 fn doctor_ok() {
     let t = Tree::ours("doctor-ok");
     t.file(
-        &format!("{DBG}/processes"),
+        &format!("{VIEWS}/processes"),
         "tgid=8 comm=nccl live=1 pinned_bytes=65536\n",
     );
     assert_eq!(doctor(&t, &[]), (0, vec!["ok".to_string()], String::new()));
@@ -1140,12 +1552,21 @@ fn doctor_ok() {
     // load or does not load, so nothing is missing.
     fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers")).unwrap();
     assert_eq!(doctor(&t, &[]).0, 0);
-    // Debugfs not mounted: ok as far as it can tell, and it says so.
+    // No debugfs at all: the sysfs views need none.
     fs::remove_dir_all(t.at("/sys/kernel/debug")).unwrap();
+    assert_eq!(doctor(&t, &[]), (0, vec!["ok".to_string()], String::new()));
+    // An older peermem-rs (debugfs only), debugfs not mounted: ok as far as
+    // it can tell, and it says so.
+    let t = t.into_debugfs();
+    t.unmount_debugfs();
     let (code, lines, err) = doctor(&t, &[]);
     assert_eq!((code, lines), (0, vec!["ok".to_string()]));
     assert!(
-        err.contains("not checked: counters: debugfs is not mounted"),
+        err.contains(
+            "not checked: counters: no /sys/module/nvidia_peermem/stats: NVIDIA's C module \
+             (it has no counters), or a peermem-rs older than its sysfs views with debugfs not \
+             mounted (mount -t debugfs none /sys/kernel/debug, as root)\n"
+        ),
         "{err}"
     );
     assert!(
@@ -1257,7 +1678,13 @@ fn doctor_client_not_registered() {
          registered (no /sys/kernel/mm/memory_peers/nv_mem)"
     ));
     assert!(lines[0].contains("GPU Direct RDMA Disabled"));
-    assert!(err.contains("not checked: counters: no /sys/kernel/debug/nvidia_peermem/stats"));
+    assert!(
+        err.contains(
+            "not checked: counters: no /sys/module/nvidia_peermem/stats nor \
+             /sys/kernel/debug/nvidia_peermem: NVIDIA's C module"
+        ),
+        "{err}"
+    );
     // The core lists other clients, not nv_mem: whatever the module.
     let t = Tree::ours("doctor-noclient-ours");
     fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers/nv_mem")).unwrap();
@@ -1282,7 +1709,7 @@ fn doctor_paths_refused() {
     // is the GPU driver's topology gate.
     let t = Tree::ours("doctor-policy-stats");
     t.file(
-        &format!("{DBG}/stats"),
+        &format!("{VIEWS}/counters"),
         format!("{STATS}fail_path_policy 2\nfail_topology 1\n"),
     );
     assert_eq!(
@@ -1297,7 +1724,7 @@ fn doctor_paths_refused() {
 fn doctor_pins_after_exit() {
     let t = Tree::ours("doctor-pins");
     t.file(
-        &format!("{DBG}/stats"),
+        &format!("{VIEWS}/counters"),
         format!("{STATS}orphaned_pins 2\nstranded_pins 1\n"),
     );
     let (_, lines, _) = doctor(&t, &[]);
@@ -1307,8 +1734,8 @@ fn doctor_pins_after_exit() {
         "{lines:?}"
     );
     // Only a process that exited with live registrations.
-    t.file(&format!("{DBG}/stats"), STATS).file(
-        &format!("{DBG}/processes"),
+    t.file(&format!("{VIEWS}/counters"), STATS).file(
+        &format!("{VIEWS}/processes"),
         "tgid=8 comm=nccl live=1 pinned_bytes=65536\ntgid=4242 comm= live=2 pinned_bytes=131072\n",
     );
     let (_, lines, _) = doctor(&t, &[]);
