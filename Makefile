@@ -9,6 +9,8 @@
 #   make bench           ours against NVIDIA's C module, one boot (not a test)
 #   make profile         their own instructions, function by function (not a test)
 #   make soak            the stress workload, 1,000,000 operations
+#   make deb             Debian packages nvidia-peermem-rs-dkms and peermem-stat
+#                        in build/deb/
 #   make clean | rust-analyzer | CLIPPY=1
 #
 # On a developer machine everything runs inside the build root that
@@ -22,7 +24,7 @@ export PEERMEM_CACHE
 # The series' work folder (scripts/lib.sh passes it into the build root).
 WORK := $(or $(PEERMEM_WORK),$(PEERMEM_CACHE)/work)
 
-HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench profile cargo-test e2e-bin
+HOST_GOALS := all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench profile cargo-test e2e-bin deb
 .DEFAULT_GOAL := all
 
 ifeq ($(PEERMEM_IN_ROOT)$(PEERMEM_NATIVE)$(PEERMEM_SYMVERS),)
@@ -47,7 +49,7 @@ KCLANG := $(shell grep -qx 'CONFIG_CC_IS_CLANG=y' $(KDIR)/.config 2>/dev/null &&
 KMAKE = $(MAKE) -C $(KDIR) M=$(TOP) MO=$(OUT) NVIDIA_SRC=$(NVIDIA_SRC) $(KCLANG) \
 	$(if $(PEERMEM_SYMVERS),PEERMEM_PRODUCT_ONLY=1 KBUILD_EXTRA_SYMBOLS="$(PEERMEM_SYMVERS)")
 
-.PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench profile cargo-test e2e-bin check-kdir check-symvers
+.PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench profile cargo-test e2e-bin deb check-kdir check-symvers
 
 all modules: check-kdir check-symvers
 	@mkdir -p $(OUT)
@@ -105,4 +107,7 @@ profile:
 
 soak:
 	PEERMEM_STRESS_OPS=1000000 $(TOP)/scripts/run-tests --soak
+
+deb:
+	$(TOP)/scripts/build-deb
 endif
