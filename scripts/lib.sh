@@ -20,7 +20,40 @@ export PEERMEM_SERIES
 ROOT=$CACHE/root-$ROOT_SUITE
 # The main series keeps the cache's work folder; others have one inside it.
 series_work() { if [ "$1" = "$MAIN_SERIES" ]; then echo "$CACHE/work"; else echo "$CACHE/work/series-$1"; fi; }
-WORK=$(series_work "$KERNEL_SERIES")
+# The flavours of each series are data too: scripts/kernel-flavours.
+# PEERMEM_FLAVOUR selects one of the series (default: its first, the main
+# flavour, which keeps the series' work folder; another has its own inside).
+# It is not exported: a command for another flavour is given it explicitly.
+series_flavours() { awk -v s="$1" '!/^#/ && NF >= 3 && $1 == s {print $3}' "$TOP/scripts/kernel-flavours"; }
+# series/flavour of every flavour that is not its series' main one.
+extra_flavours() {
+	local s f
+	for s in $(all_series); do
+		for f in $(series_flavours "$s" | tail -n +2); do echo "$s/$f"; done
+	done
+}
+MAIN_FLAVOUR=$(series_flavours "$KERNEL_SERIES" | head -n1)
+[ -n "$MAIN_FLAVOUR" ] || die "kernel series $KERNEL_SERIES has no line in scripts/kernel-flavours"
+PEERMEM_FLAVOUR=${PEERMEM_FLAVOUR:-$MAIN_FLAVOUR}
+# shellcheck disable=SC2034 # DEB_ARCH: read by the scripts that source this
+read -r FLAVOUR DEB_ARCH < <(awk -v s="$KERNEL_SERIES" -v f="$PEERMEM_FLAVOUR" \
+	'!/^#/ && NF >= 3 && $1 == s && $3 == f {print $3, $2}' "$TOP/scripts/kernel-flavours") ||
+	die "flavour '$PEERMEM_FLAVOUR' of series $KERNEL_SERIES is not listed in scripts/kernel-flavours ($(series_flavours "$KERNEL_SERIES" | tr '\n' ' '))"
+# The flavour's work folder; SERIES_WORK is its series' (the main flavour's).
+flavour_work() { # series flavour
+	if [ "$2" = "$(series_flavours "$1" | head -n1)" ]; then series_work "$1"; else echo "$(series_work "$1")/flavour-$2"; fi
+}
+SERIES_WORK=$(series_work "$KERNEL_SERIES")
+WORK=$(flavour_work "$KERNEL_SERIES" "$FLAVOUR")
+# What an output folder or log of this flavour is suffixed with: nothing for
+# the main series' main flavour, -<series> for another series' main flavour,
+# -<series>-<flavour> for any other flavour.
+flavour_suffix() { # series flavour
+	local sfx=
+	[ "$1" = "$MAIN_SERIES" ] || sfx=-$1
+	[ "$2" = "$(series_flavours "$1" | head -n1)" ] || sfx=-$1-$2
+	echo "$sfx"
+}
 
 # What the checkout holds now (commit and uncommitted changes): results made
 # in another build root are only counted for the source they were made from.
@@ -30,8 +63,8 @@ source_stamp() { (cd "$TOP" && { git rev-parse HEAD; git status --porcelain; git
 stage_start() { STAGE_T0=$(date +%s); say "$1"; }
 stage_end() { say "$1 done in $(( $(date +%s) - STAGE_T0 )) s"; }
 
-# Run a command inside the build root. The checkout and the cache's work folder
-# appear at the same paths inside, in a private mount namespace that vanishes
+# Run a command inside the build root. The checkout and the series' work folder
+# (which holds its flavours') appear at the same paths inside, in a private mount namespace that vanishes
 # with the command, so nothing stays mounted.
 in_root() {
 	[ -f "$ROOT/.peermem-ready" ] || die "the build root is missing or half-made; run scripts/setup"
@@ -42,8 +75,8 @@ in_root() {
 	while IFS= read -r kv; do knobs+=("$kv"); done < <(env | grep -E '^PEERMEM_(BENCH|STRESS|KCSAN|FUZZ)_[A-Z_]*=' || true)
 	unshare -m --propagation private bash -c '
 		set -e
-		r=$1 top=$2 work=$3 cwd=$4 cache=$5 series=$6
-		shift 6
+		r=$1 top=$2 work=$3 cwd=$4 cache=$5 series=$6 flavour=$7 fwork=$8
+		shift 8
 		mount -t proc proc "$r/proc"
 		mount --rbind /dev "$r/dev"
 		mkdir -p "$r$top" "$r$work"
@@ -55,7 +88,8 @@ in_root() {
 		case "$cwd" in "$top"*|"$work"*) ;; *) cwd=$top ;; esac
 		exec chroot "$r" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
 			PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-			PEERMEM_IN_ROOT=1 PEERMEM_CACHE="$cache" PEERMEM_SERIES="$series" PEERMEM_WORK="$work" \
+			PEERMEM_IN_ROOT=1 PEERMEM_CACHE="$cache" PEERMEM_SERIES="$series" PEERMEM_FLAVOUR="$flavour" \
+			PEERMEM_WORK="$fwork" \
 			bash -c "cd \"\$0\" && exec \"\$@\"" "$cwd" "$@"
-	' in_root "$ROOT" "$TOP" "$WORK" "$PWD" "$CACHE" "$KERNEL_SERIES" /usr/bin/env "${knobs[@]}" "$@"
+	' in_root "$ROOT" "$TOP" "$SERIES_WORK" "$PWD" "$CACHE" "$KERNEL_SERIES" "$FLAVOUR" "$WORK" /usr/bin/env "${knobs[@]}" "$@"
 }
