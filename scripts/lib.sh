@@ -39,6 +39,7 @@ PEERMEM_FLAVOUR=${PEERMEM_FLAVOUR:-$MAIN_FLAVOUR}
 read -r FLAVOUR DEB_ARCH < <(awk -v s="$KERNEL_SERIES" -v f="$PEERMEM_FLAVOUR" \
 	'!/^#/ && NF >= 3 && $1 == s && $3 == f {print $3, $2}' "$TOP/scripts/kernel-flavours") ||
 	die "flavour '$PEERMEM_FLAVOUR' of series $KERNEL_SERIES is not listed in scripts/kernel-flavours ($(series_flavours "$KERNEL_SERIES" | tr '\n' ' '))"
+flavour_arch() { awk -v s="$1" -v f="$2" '!/^#/ && NF >= 3 && $1 == s && $3 == f {print $2}' "$TOP/scripts/kernel-flavours"; }
 # The flavour's work folder; SERIES_WORK is its series' (the main flavour's).
 flavour_work() { # series flavour
 	if [ "$2" = "$(series_flavours "$1" | head -n1)" ]; then series_work "$1"; else echo "$(series_work "$1")/flavour-$2"; fi
@@ -53,6 +54,39 @@ flavour_suffix() { # series flavour
 	[ "$1" = "$MAIN_SERIES" ] || sfx=-$1
 	[ "$2" = "$(series_flavours "$1" | head -n1)" ] || sfx=-$1-$2
 	echo "$sfx"
+}
+
+# The kbuild arguments that cross-build for a tree (its .config) of another
+# architecture than this machine's, with Debian's cross toolchain; nothing for
+# a native tree (the Makefile does the same for the module and the harness).
+kbuild_cross() { # config
+	local karch host
+	karch=$(sed -n 's/^CONFIG_ARM64=y$/arm64/p; s/^CONFIG_X86_64=y$/x86/p' "$1")
+	case $(uname -m) in x86_64) host=x86 ;; aarch64) host=arm64 ;; *) host=$(uname -m) ;; esac
+	[ -n "$karch" ] && [ "$karch" != "$host" ] || return 0
+	case $karch in
+	arm64) echo ARCH=arm64 CROSS_COMPILE=aarch64-linux-gnu- CROSS_COMPILE_COMPAT=arm-linux-gnueabihf- ;;
+	x86) echo ARCH=x86 CROSS_COMPILE=x86_64-linux-gnu- ;;
+	esac
+}
+
+# The end-to-end plan of a boot (run by the guest's init): the harness, the
+# GPU driver's DMA mapping style, every scenario in the four modes.
+MODES=persistent,invalidating,legacy,ofed4
+plan() { # file dma-map-style extra-e2e-args
+	cat >"$1" <<-SH
+	insmod /lib/peermem/nv_p2p_emu.ko
+	insmod /lib/peermem/peer_mem_core.ko
+	echo $2 > /sys/kernel/debug/nv_p2p_emu/dma_map_style
+	/bin/peermem-e2e --modes $MODES $3
+	rmmod peer_mem_core
+	rmmod nv_p2p_emu
+	if [ -e /sys/kernel/debug/kmemleak ]; then
+	  echo scan > /sys/kernel/debug/kmemleak; sleep 6; echo scan > /sys/kernel/debug/kmemleak
+	  cat /sys/kernel/debug/kmemleak
+	  echo "kmemleak: scan done"
+	fi
+	SH
 }
 
 # What the checkout holds now (commit and uncommitted changes): results made
