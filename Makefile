@@ -36,9 +36,7 @@ peermem-delegate:
 		PEERMEM_SERIES=$$s $(TOP)/scripts/series-build || exit 1; done)
 	$(if $(filter test,$(MAKECMDGOALS)),@for sf in $$(bash -c '. $(TOP)/scripts/lib.sh && extra_flavours'); do \
 		PEERMEM_SERIES=$${sf%/*} PEERMEM_FLAVOUR=$${sf#*/} $(TOP)/scripts/series-build || exit 1; done)
-	$(if $(filter test,$(MAKECMDGOALS)),@for sf in $$(bash -c '. $(TOP)/scripts/lib.sh && extra_flavours'); do \
-		[ "$$(bash -c '. $(TOP)/scripts/lib.sh && flavour_arch "$$0" "$$1"' $${sf%/*} $${sf#*/})" != "$$(dpkg --print-architecture)" ] || continue; \
-		PEERMEM_SERIES=$${sf%/*} PEERMEM_FLAVOUR=$${sf#*/} $(TOP)/scripts/flavour-boot || exit 1; done)
+	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_flavour_boots')
 	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
 else

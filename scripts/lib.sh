@@ -56,6 +56,36 @@ flavour_suffix() { # series flavour
 	echo "$sfx"
 }
 
+# Start scripts/flavour-boot for every flavour of another architecture than the
+# host's, one after the other, in the background: their boots (mostly guest
+# sleeps under TCG, not CPU) overlap the rest of make test, which waits for
+# them (wait_flavour_boot) before counting. The -running marker is made here,
+# before the start, and removed by flavour-boot when its results are written.
+start_flavour_boots() {
+	local sf list=()
+	for sf in $(extra_flavours); do
+		[ "$(flavour_arch "${sf%/*}" "${sf#*/}")" != "$(dpkg --print-architecture)" ] || continue
+		mkdir -p "$TOP/build/test-logs"
+		echo "$$" >"$TOP/build/test-logs/flavour-${sf%/*}-${sf#*/}-running"
+		list+=("$sf")
+	done
+	[ ${#list[@]} -gt 0 ] || return 0
+	(
+		for sf in "${list[@]}"; do
+			PEERMEM_SERIES=${sf%/*} PEERMEM_FLAVOUR=${sf#*/} "$TOP/scripts/flavour-boot"
+		done
+	) </dev/null >"$TOP/build/test-logs/flavour-boots.log" 2>&1 &
+}
+# Wait (at most $2 s) for a flavour's boot started by start_flavour_boots.
+wait_flavour_boot() { # series-flavour seconds
+	local i=0
+	while [ -e "$TOP/build/test-logs/flavour-$1-running" ] && [ "$i" -lt "$2" ]; do
+		sleep 5
+		i=$((i + 5))
+	done
+	[ ! -e "$TOP/build/test-logs/flavour-$1-running" ]
+}
+
 # The kbuild arguments that cross-build for a tree (its .config) of another
 # architecture than this machine's, with Debian's cross toolchain; nothing for
 # a native tree (the Makefile does the same for the module and the harness).
