@@ -119,6 +119,17 @@ plan() { # file dma-map-style extra-e2e-args
 	SH
 }
 
+# A run of a client that may deadlock or corrupt memory on the faithful
+# testbed (the C reference): in the background, so that a deadlocked kernel
+# thread cannot keep the plan from reporting.
+bg_e2e() { # e2e-args
+	cat <<-SH
+	/bin/peermem-e2e $1 >/tmp/e2e.out 2>&1 &
+	i=0; while [ \$i -lt 240 ]; do grep -q E2E-SUMMARY /tmp/e2e.out && break; sleep 1; i=\$((i+1)); done
+	cat /tmp/e2e.out
+	SH
+}
+
 # What the checkout holds now (commit and uncommitted changes): results made
 # in another build root are only counted for the source they were made from.
 source_stamp() { (cd "$TOP" && { git rev-parse HEAD; git status --porcelain; git diff; } 2>/dev/null | md5sum | cut -c1-16); }
