@@ -36,6 +36,9 @@ peermem-delegate:
 	@$(TOP)/scripts/setup $(if $(FULL_SETUP),,--no-debug)
 	$(if $(filter test,$(MAKECMDGOALS)),@for s in $$(awk '!/^#/ && NF >= 3 {print $$1}' $(TOP)/scripts/kernel-series | tail -n +2); do \
 		PEERMEM_SERIES=$$s $(TOP)/scripts/series-build || exit 1; done)
+	$(if $(filter test,$(MAKECMDGOALS)),@for sf in $$(bash -c '. $(TOP)/scripts/lib.sh && extra_flavours'); do \
+		PEERMEM_SERIES=$${sf%/*} PEERMEM_FLAVOUR=$${sf#*/} $(TOP)/scripts/series-build || exit 1; done)
+	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_flavour_boots')
 	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
 else
@@ -46,7 +49,15 @@ KDIR ?= $(WORK)/distro
 NVIDIA_SRC ?= $(NVIDIA_SRC_DEFAULT)
 OUT ?= $(TOP)/build/$(notdir $(KDIR))
 KCLANG := $(shell grep -qx 'CONFIG_CC_IS_CLANG=y' $(KDIR)/.config 2>/dev/null && echo LLVM=1)
-KMAKE = $(MAKE) -C $(KDIR) M=$(TOP) MO=$(OUT) NVIDIA_SRC=$(NVIDIA_SRC) $(KCLANG) \
+# The tree's architecture, from its config; one other than the host's is
+# cross-built with Debian's cross toolchain (arm64's prepare also builds the
+# 32-bit compat vDSO: CROSS_COMPILE_COMPAT). ARCH/CROSS_COMPILE given on the
+# command line win.
+KARCH := $(shell sed -n 's/^CONFIG_ARM64=y$$/arm64/p; s/^CONFIG_X86_64=y$$/x86/p' $(KDIR)/.config 2>/dev/null)
+HOST_KARCH := $(shell uname -m | sed 's/^x86_64$$/x86/; s/^aarch64$$/arm64/')
+KCROSS := $(if $(filter-out $(HOST_KARCH),$(KARCH)),ARCH=$(KARCH) \
+	$(if $(filter arm64,$(KARCH)),CROSS_COMPILE=aarch64-linux-gnu- CROSS_COMPILE_COMPAT=arm-linux-gnueabihf-,CROSS_COMPILE=x86_64-linux-gnu-))
+KMAKE = $(MAKE) -C $(KDIR) M=$(TOP) MO=$(OUT) NVIDIA_SRC=$(NVIDIA_SRC) $(KCLANG) $(KCROSS) \
 	$(if $(PEERMEM_SYMVERS),PEERMEM_PRODUCT_ONLY=1 KBUILD_EXTRA_SYMBOLS="$(PEERMEM_SYMVERS)")
 
 .PHONY: all modules modules-all clean rust-analyzer fmt fmt-check test demo soak bench profile cargo-test e2e-bin deb check-kdir check-symvers

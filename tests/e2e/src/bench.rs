@@ -79,7 +79,7 @@ fn kernel_mem() -> KernelMem {
     KernelMem {
         slab: field("Slab:"),
         vmalloc: field("VmallocUsed:"),
-        pages: field("MemTotal:") - field("MemFree:") - pcp * 4096,
+        pages: field("MemTotal:") - field("MemFree:") - pcp * crate::page_size() as i64,
     }
 }
 

@@ -1216,7 +1216,7 @@ fn coherent_mr(
     len: u64,
     flags: u64,
 ) -> Result<Result<String, i32>, String> {
-    let (page, gpu_page) = (4096u64, 64u64 << 10);
+    let (page, gpu_page) = (crate::page_size(), 64u64 << 10);
     let seed = ctx.rand();
     let n = 256usize;
     let offs = [0, len / 2, len - n as u64];

@@ -216,6 +216,14 @@ impl Ctx {
     }
 }
 
+/// The guest kernel's page size (4 KiB on x86-64, 4, 16 or 64 KiB on arm64):
+/// the core trims an MR's SG entries to it.
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).unwrap_or(4096)
+}
+
 fn main() {
     match std::env::args().nth(1).as_deref() {
         Some("demo") => std::process::exit(if demo::run() { 0 } else { 1 }),

@@ -13,7 +13,6 @@ use crate::{
 
 const K64: u64 = 64 << 10;
 const M: u64 = 1 << 20;
-const PAGE: u64 = 4096;
 
 macro_rules! ensure {
     ($c:expr, $($fmt:tt)*) => {
@@ -418,7 +417,10 @@ pub(crate) fn reg_verify(
         q.client_name()
     );
     ensure!(q.page_size == K64, "get_page_size {}", q.page_size);
-    let span = (addr + len).div_ceil(PAGE) * PAGE - addr / PAGE * PAGE;
+    // The SG entries cover the range widened to the guest's pages (16 KiB
+    // ones are a quarter of a 64 KiB GPU page).
+    let page = crate::page_size();
+    let span = (addr + len).div_ceil(page) * page - addr / page * page;
     ensure!(
         q.total_len == span,
         "SG entries cover {:#x} bytes, expected {span:#x}",
@@ -559,7 +561,8 @@ fn register_dma_sizes(ctx: &mut Ctx) -> Result<String, String> {
     ];
     if !ctx.opts.quick {
         cases.push((64 * M, 0, 64 * M));
-        cases.push((256 * M, 3 * PAGE + 17, 256 * M - 3 * PAGE - 117));
+        let page = crate::page_size();
+        cases.push((256 * M, 3 * page + 17, 256 * M - 3 * page - 117));
     }
     let mut out = Vec::new();
     for (size, off, len) in cases {
