@@ -8,7 +8,8 @@
 #   make demo            the stock Debian kernel in QEMU, doing the module's job
 #   make bench           ours against NVIDIA's C module, one boot (not a test)
 #   make profile         their own instructions, function by function (not a test)
-#   make soak            the stress workload, 1,000,000 operations
+#   make soak            the stress workload, 1,000,000 operations; KCSAN; the
+#                        scenarios on a 64 KiB-page arm64 kernel
 #   make deb             Debian packages nvidia-peermem-rs-dkms and peermem-stat
 #                        in build/deb/
 #   make clean | rust-analyzer | CLIPPY=1
@@ -40,6 +41,8 @@ peermem-delegate:
 		PEERMEM_SERIES=$${sf%/*} PEERMEM_FLAVOUR=$${sf#*/} $(TOP)/scripts/series-build || exit 1; done)
 	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_flavour_boots')
 	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
+	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel arm64-64k)
+	$(if $(filter soak,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_soak64k_boot')
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
 else
 # --- inside the build root (or natively on a real node) ------------------------

@@ -39,6 +39,10 @@ PEERMEM_FLAVOUR=${PEERMEM_FLAVOUR:-$MAIN_FLAVOUR}
 read -r FLAVOUR DEB_ARCH < <(awk -v s="$KERNEL_SERIES" -v f="$PEERMEM_FLAVOUR" \
 	'!/^#/ && NF >= 3 && $1 == s && $3 == f {print $3, $2}' "$TOP/scripts/kernel-flavours") ||
 	die "flavour '$PEERMEM_FLAVOUR' of series $KERNEL_SERIES is not listed in scripts/kernel-flavours ($(series_flavours "$KERNEL_SERIES" | tr '\n' ' '))"
+# The first arm64 flavour (series/flavour): its series' source and build root
+# make the 64 KiB-page arm64 tree of make soak (scripts/build-kernel
+# arm64-64k), booted as that flavour's architecture (scripts/flavour-boot).
+arm64_flavour() { awk '!/^#/ && NF >= 3 && $2 == "arm64" {print $1 "/" $3; exit}' "$TOP/scripts/kernel-flavours"; }
 flavour_arch() { awk -v s="$1" -v f="$2" '!/^#/ && NF >= 3 && $1 == s && $3 == f {print $2}' "$TOP/scripts/kernel-flavours"; }
 # The flavour's work folder; SERIES_WORK is its series' (the main flavour's).
 flavour_work() { # series flavour
@@ -59,7 +63,7 @@ flavour_suffix() { # series flavour
 # Start scripts/flavour-boot for every flavour of another architecture than the
 # host's, one after the other, in the background: their boots (mostly guest
 # sleeps under TCG, not CPU) overlap the rest of make test, which waits for
-# them (wait_flavour_boot) before counting. The -running marker is made here,
+# them (wait_boot) before counting. The -running marker is made here,
 # before the start, and removed by flavour-boot when its results are written.
 start_flavour_boots() {
 	local sf list=()
@@ -76,14 +80,25 @@ start_flavour_boots() {
 		done
 	) </dev/null >"$TOP/build/test-logs/flavour-boots.log" 2>&1 &
 }
-# Wait (at most $2 s) for a flavour's boot started by start_flavour_boots.
-wait_flavour_boot() { # series-flavour seconds
+# make soak: the 64 KiB-page arm64 tree's boot (scripts/flavour-boot --kernel
+# arm64-64k), in the background in the same way.
+start_soak64k_boot() {
+	local sf
+	sf=$(arm64_flavour)
+	mkdir -p "$TOP/build/test-logs"
+	echo "$$" >"$TOP/build/test-logs/soak-arm64-64k-running"
+	PEERMEM_SERIES=${sf%/*} PEERMEM_FLAVOUR=${sf#*/} "$TOP/scripts/flavour-boot" --kernel arm64-64k \
+		</dev/null >"$TOP/build/test-logs/soak-arm64-64k-boot.log" 2>&1 &
+}
+# Wait (at most $2 s) for a boot started by start_flavour_boots
+# (flavour-<series>-<flavour>) or start_soak64k_boot (soak-arm64-64k).
+wait_boot() { # log-prefix seconds
 	local i=0
-	while [ -e "$TOP/build/test-logs/flavour-$1-running" ] && [ "$i" -lt "$2" ]; do
+	while [ -e "$TOP/build/test-logs/$1-running" ] && [ "$i" -lt "$2" ]; do
 		sleep 5
 		i=$((i + 5))
 	done
-	[ ! -e "$TOP/build/test-logs/flavour-$1-running" ]
+	[ ! -e "$TOP/build/test-logs/$1-running" ]
 }
 
 # The kbuild arguments that cross-build for a tree (its .config) of another
