@@ -35,14 +35,10 @@ FULL_SETUP := $(filter test soak,$(or $(MAKECMDGOALS),all))
 $(or $(MAKECMDGOALS),all): peermem-delegate ; @:
 peermem-delegate:
 	@$(TOP)/scripts/setup $(if $(FULL_SETUP),,--no-debug)
-	$(if $(filter test,$(MAKECMDGOALS)),@for s in $$(awk '!/^#/ && NF >= 3 {print $$1}' $(TOP)/scripts/kernel-series | tail -n +2); do \
-		PEERMEM_SERIES=$$s $(TOP)/scripts/series-build || exit 1; done)
-	$(if $(filter test,$(MAKECMDGOALS)),@for sf in $$(bash -c '. $(TOP)/scripts/lib.sh && extra_flavours'); do \
-		PEERMEM_SERIES=$${sf%/*} PEERMEM_FLAVOUR=$${sf#*/} $(TOP)/scripts/series-build || exit 1; done)
-	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_flavour_boots')
-	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
+	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && build_other_flavours')
 	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel arm64-64k)
 	$(if $(filter soak,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_soak64k_boot')
+	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)
 else
 # --- inside the build root (or natively on a real node) ------------------------

@@ -80,6 +80,26 @@ start_flavour_boots() {
 		done
 	) </dev/null >"$TOP/build/test-logs/flavour-boots.log" 2>&1 &
 }
+# make test's builds outside the main build root (scripts/series-build, each
+# in its series' root): the flavours of another architecture first, their
+# boots started as soon as they are built (start_flavour_boots: they overlap
+# the rest of make test), then the other series and the host's flavours.
+build_other_flavours() {
+	local s sf host
+	host=$(dpkg --print-architecture)
+	for sf in $(extra_flavours); do
+		[ "$(flavour_arch "${sf%/*}" "${sf#*/}")" != "$host" ] || continue
+		PEERMEM_SERIES=${sf%/*} PEERMEM_FLAVOUR=${sf#*/} "$TOP/scripts/series-build" || return 1
+	done
+	start_flavour_boots
+	for s in $(all_series | tail -n +2); do
+		PEERMEM_SERIES=$s "$TOP/scripts/series-build" || return 1
+	done
+	for sf in $(extra_flavours); do
+		[ "$(flavour_arch "${sf%/*}" "${sf#*/}")" = "$host" ] || continue
+		PEERMEM_SERIES=${sf%/*} PEERMEM_FLAVOUR=${sf#*/} "$TOP/scripts/series-build" || return 1
+	done
+}
 # make soak: the 64 KiB-page arm64 tree's boot (scripts/flavour-boot --kernel
 # arm64-64k), in the background in the same way.
 start_soak64k_boot() {

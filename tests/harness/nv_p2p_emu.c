@@ -109,7 +109,11 @@ MODULE_PARM_DESC(mig, "MIG (or vGPU) enabled: persistent pins refused as not sup
 
 static unsigned int pin_cost_us;
 module_param(pin_cost_us, uint, 0644);
-MODULE_PARM_DESC(pin_cost_us, "cost model: fixed delay per pin/unpin call, microseconds");
+MODULE_PARM_DESC(pin_cost_us, "cost model: fixed delay per pin call, microseconds");
+
+static int unpin_cost_us = -1;
+module_param(unpin_cost_us, int, 0644);
+MODULE_PARM_DESC(unpin_cost_us, "cost model: fixed delay per unpin call, microseconds (-1: pin_cost_us)");
 
 static unsigned int page_cost_ns;
 module_param(page_cost_ns, uint, 0644);
@@ -405,10 +409,13 @@ static bool topo_supported(struct emu_gpu *g, struct pci_dev *peer)
 
 /* --- allocations ---------------------------------------------------------- */
 
-static void cost(u64 pages)
+static void cost(u64 pages, bool unpin)
 {
-	if (pin_cost_us)
-		usleep_range(pin_cost_us, pin_cost_us + 1);
+	int u = READ_ONCE(unpin_cost_us);
+	unsigned int us = (unpin && u >= 0) ? u : READ_ONCE(pin_cost_us);
+
+	if (us)
+		usleep_range(us, us + 1);
 	if (page_cost_ns && pages)
 		ndelay(min_t(u64, pages * page_cost_ns, 100000000ULL));
 }
@@ -691,7 +698,7 @@ static int get_pages_common(u64 va, u64 len, struct nvidia_p2p_page_table **ptp,
 	if (err)
 		return err;
 	n = len / GPU_PAGE;
-	cost(n);
+	cost(n, false);
 
 	t = table_alloc();
 	if (!t)
@@ -804,7 +811,7 @@ static void unpin(struct emu_table *t)
 	struct emu_alloc *a = t->alloc;
 	bool persistent = t->persistent;
 
-	cost(t->pt.entries);
+	cost(t->pt.entries, true);
 	list_del_init(&t->node);
 	unlink_table(t);
 	free_table(t);

@@ -1470,6 +1470,57 @@ static long pmc_query(struct pmc_file *pf, struct pmc_query __user *uarg)
 	return copy_to_user(uarg, &q, sizeof(q)) ? -EFAULT : 0;
 }
 
+/* Copies the DMA scatterlist of a mapped peer MR (after the fix-up) out. */
+static int sgl_snapshot(struct pmc_umem *u, struct pmc_sgl *a, struct pmc_sge *out)
+{
+	struct scatterlist *sg;
+	unsigned int i;
+
+	mutex_lock(&u->mapping_lock);
+	if (u->source != PMC_SRC_PEER || u->state != UMEM_MAPPED) {
+		mutex_unlock(&u->mapping_lock);
+		return -EINVAL;
+	}
+	a->nents = u->sgt.nents;
+	a->addr = u->addr;
+	a->len = u->len;
+	for_each_sgtable_dma_sg(&u->sgt, sg, i) {
+		if (i >= a->capacity)
+			break;
+		out[i].dma = sg_dma_address(sg);
+		out[i].len = sg_dma_len(sg);
+	}
+	mutex_unlock(&u->mapping_lock);
+	return 0;
+}
+
+static long pmc_sgl(struct pmc_file *pf, struct pmc_sgl __user *uarg)
+{
+	struct pmc_sge *out;
+	struct pmc_umem *u;
+	struct pmc_sgl a;
+	int err;
+
+	if (copy_from_user(&a, uarg, sizeof(a)))
+		return -EFAULT;
+	if (a.capacity > (1U << 24))
+		return -EINVAL;
+	out = kvcalloc(max_t(u64, a.capacity, 1), sizeof(*out), GFP_KERNEL);
+	if (!out)
+		return -ENOMEM;
+	u = lookup(pf, a.handle);
+	err = u ? sgl_snapshot(u, &a, out) : -EINVAL;
+	if (u)
+		kref_put(&u->kref, umem_free);
+	if (!err && copy_to_user(u64_to_user_ptr(a.entries), out,
+				 min(a.nents, a.capacity) * sizeof(*out)))
+		err = -EFAULT;
+	if (!err && copy_to_user(uarg, &a, sizeof(a)))
+		err = -EFAULT;
+	kvfree(out);
+	return err;
+}
+
 /* The bus address of MR byte @off and how many bytes follow it in its SGE. */
 static int mr_dma_addr(struct pmc_umem *u, u64 off, dma_addr_t *dma, u64 *room)
 {
@@ -1593,6 +1644,8 @@ static long pmc_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return pmc_dma(pf, (void __user *)arg);
 	case PMC_IOC_INFO:
 		return pmc_info((void __user *)arg);
+	case PMC_IOC_SGL:
+		return pmc_sgl(pf, (void __user *)arg);
 	}
 	return -ENOTTY;
 }

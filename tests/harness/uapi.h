@@ -123,10 +123,30 @@ struct pmc_info {
 	__u64 dma_bytes;
 };
 
+/*
+ * The DMA scatterlist the core holds for a mapped peer MR, after the core's
+ * first/last SGE fix-up: what the HCA driver hands to ib_umem_find_best_pgsz
+ * (make bench computes mlx5's translation entries from it).
+ */
+struct pmc_sge {
+	__u64 dma;
+	__u64 len;
+};
+
+struct pmc_sgl {
+	__u64 handle;	/* in */
+	__u64 entries;	/* in: user pointer to struct pmc_sge[capacity] */
+	__u64 capacity;	/* in */
+	__u64 nents;	/* out: SG entries (only min(nents, capacity) copied) */
+	__u64 addr;	/* out: the MR's start address (the application's VA) */
+	__u64 len;	/* out */
+};
+
 #define PMC_IOC_REG	_IOWR('P', 1, struct pmc_reg)
 #define PMC_IOC_DEREG	_IOW('P', 2, __u64)
 #define PMC_IOC_QUERY	_IOWR('P', 3, struct pmc_query)
 #define PMC_IOC_DMA	_IOW('P', 4, struct pmc_dma)
 #define PMC_IOC_INFO	_IOR('P', 5, struct pmc_info)
+#define PMC_IOC_SGL	_IOWR('P', 6, struct pmc_sgl)
 
 #endif

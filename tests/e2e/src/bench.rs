@@ -14,7 +14,7 @@ use crate::{dev::Core, dev::Gpu, uapi::*};
 const K64: u64 = 64 << 10;
 const M: u64 = 1 << 20;
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -25,7 +25,7 @@ fn median(v: &mut [f64]) -> f64 {
 /// Kernel memory counters, in bytes, taken after folding the per-CPU vmstat
 /// deltas into the global counters (`vm.stat_refresh`).
 #[derive(Clone, Copy, Default)]
-struct KernelMem {
+pub(crate) struct KernelMem {
     /// Slab memory (SReclaimable + SUnreclaim).
     slab: i64,
     /// vmalloc space in use.
@@ -33,7 +33,7 @@ struct KernelMem {
     /// Every page not free, not counting free pages parked on the per-CPU
     /// lists (those would otherwise swamp small deltas): slab, vmalloc and
     /// raw page allocations such as scatterlist chunks.
-    pages: i64,
+    pub(crate) pages: i64,
 }
 
 /// Empties every slab cache's per-CPU and per-node caches of free objects
@@ -55,7 +55,7 @@ fn shrink_slabs() {
     }
 }
 
-fn kernel_mem() -> KernelMem {
+pub(crate) fn kernel_mem() -> KernelMem {
     shrink_slabs();
     // Best effort: stat_refresh can refuse with EINVAL when a counter is
     // transiently negative; the fold has happened anyway.
@@ -100,7 +100,7 @@ fn client_ns() -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-fn emit(imp: &str, cost: &str, metric: &str, key: &str, value: f64) {
+pub(crate) fn emit(imp: &str, cost: &str, metric: &str, key: &str, value: f64) {
     println!("BENCH {{\"impl\":\"{imp}\",\"cost\":\"{cost}\",\"metric\":\"{metric}\",\"key\":\"{key}\",\"value\":{value}}}");
 }
 
@@ -115,7 +115,7 @@ fn live_for(size: u64) -> usize {
     }
 }
 
-fn errno(e: i32) -> String {
+pub(crate) fn errno(e: i32) -> String {
     std::io::Error::from_raw_os_error(e).to_string()
 }
 

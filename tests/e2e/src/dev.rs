@@ -203,6 +203,27 @@ impl Core {
         Ok(b)
     }
 
+    /// The DMA scatterlist the core holds for a mapped peer MR (after its
+    /// first/last fix-up), with the MR's address and length.
+    pub fn sgl(&self, handle: u64) -> Result<(Vec<PmcSge>, u64, u64), Errno> {
+        let mut cap = 64usize;
+        loop {
+            let mut v = vec![PmcSge::default(); cap];
+            let mut a = PmcSgl {
+                handle,
+                entries: v.as_mut_ptr() as u64,
+                capacity: cap as u64,
+                ..Default::default()
+            };
+            ioctl(&self.f, PMC_IOC_SGL, &mut a)?;
+            if a.nents <= cap as u64 {
+                v.truncate(a.nents as usize);
+                return Ok((v, a.addr, a.len));
+            }
+            cap = a.nents as usize;
+        }
+    }
+
     pub fn info(&self) -> PmcInfo {
         let mut i = PmcInfo::default();
         ioctl(&self.f, PMC_IOC_INFO, &mut i).expect("PMC_IOC_INFO");

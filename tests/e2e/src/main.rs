@@ -13,7 +13,9 @@ mod demo;
 mod dev;
 mod hostile;
 mod module;
+mod node;
 mod paths;
+mod pgsz;
 mod profile;
 mod scenarios;
 mod statcheck;
@@ -224,6 +226,17 @@ pub(crate) fn page_size() -> u64 {
     u64::try_from(n).unwrap_or(4096)
 }
 
+/// Exits with a bench subcommand's outcome (`BENCH-FAIL why` on failure).
+fn exit_bench(r: Result<(), String>) -> ! {
+    match r {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            println!("BENCH-FAIL {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
     match std::env::args().nth(1).as_deref() {
         Some("demo") => std::process::exit(if demo::run() { 0 } else { 1 }),
@@ -266,6 +279,20 @@ fn main() {
                     std::process::exit(1);
                 }
             }
+        }
+        Some("bench-tpt") => {
+            // bench-tpt <impl>: translation entries per registration.
+            let imp = std::env::args().nth(2).unwrap_or_else(|| "ours".into());
+            exit_bench(node::run_tpt(&imp));
+        }
+        Some("bench-scale") => {
+            // bench-scale <impl> <live counts, comma-separated, ascending>
+            let imp = std::env::args().nth(2).unwrap_or_else(|| "ours".into());
+            let counts: Vec<u64> = std::env::args()
+                .nth(3)
+                .map(|s| s.split(',').filter_map(|n| n.parse().ok()).collect())
+                .unwrap_or_default();
+            exit_bench(node::run_scale(&imp, &counts));
         }
         Some("bench") => {
             // bench <impl> <cost> <live counts, comma-separated>

@@ -125,12 +125,32 @@ pub struct PmcInfo {
     pub dma_bytes: u64,
 }
 
+#[repr(C)]
+#[derive(Default, Clone, Copy, Debug)]
+pub struct PmcSge {
+    pub dma: u64,
+    pub len: u64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy, Debug)]
+pub struct PmcSgl {
+    pub handle: u64,
+    pub entries: u64,
+    pub capacity: u64,
+    pub nents: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
 pub const PMC_IOC_REG: u64 = ioc(R | W, b'P', 1, core::mem::size_of::<PmcReg>());
 pub const PMC_IOC_DEREG: u64 = ioc(W, b'P', 2, 8);
 pub const PMC_IOC_QUERY: u64 = ioc(R | W, b'P', 3, core::mem::size_of::<PmcQuery>());
 pub const PMC_IOC_DMA: u64 = ioc(W, b'P', 4, core::mem::size_of::<PmcDma>());
 pub const PMC_IOC_INFO: u64 = ioc(R, b'P', 5, core::mem::size_of::<PmcInfo>());
+pub const PMC_IOC_SGL: u64 = ioc(R | W, b'P', 6, core::mem::size_of::<PmcSgl>());
 
 const _: () = assert!(core::mem::size_of::<NvemuInfo>() == 216);
 const _: () = assert!(core::mem::size_of::<PmcQuery>() == 144);
 const _: () = assert!(core::mem::size_of::<PmcDma>() == 40);
+const _: () = assert!(core::mem::size_of::<PmcSgl>() == 48);
