@@ -36,7 +36,6 @@ $(or $(MAKECMDGOALS),all): peermem-delegate ; @:
 peermem-delegate:
 	@$(TOP)/scripts/setup $(if $(FULL_SETUP),,--no-debug)
 	$(if $(filter test,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && build_other_flavours')
-	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel arm64-64k)
 	$(if $(filter soak,$(MAKECMDGOALS)),@bash -c '. $(TOP)/scripts/lib.sh && start_soak64k_boot')
 	$(if $(filter soak,$(MAKECMDGOALS)),@$(TOP)/scripts/build-kernel kcsan)
 	@$(TOP)/scripts/in-root $(MAKE) --no-print-directory -C $(TOP) $(or $(MAKECMDGOALS),all) $(MAKEOVERRIDES)

@@ -100,10 +100,12 @@ build_other_flavours() {
 		PEERMEM_SERIES=${sf%/*} PEERMEM_FLAVOUR=${sf#*/} "$TOP/scripts/series-build" || return 1
 	done
 }
-# make soak: the 64 KiB-page arm64 tree's boot (scripts/flavour-boot --kernel
-# arm64-64k), in the background in the same way.
+# make soak: the 64 KiB-page arm64 tree built (scripts/build-kernel
+# arm64-64k) and booted (scripts/flavour-boot --kernel arm64-64k) in the
+# background in the same way.
 start_soak64k_boot() {
 	local sf
+	"$TOP/scripts/build-kernel" arm64-64k || return 1
 	sf=$(arm64_flavour)
 	mkdir -p "$TOP/build/test-logs"
 	echo "$$" >"$TOP/build/test-logs/soak-arm64-64k-running"
