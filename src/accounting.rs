@@ -22,7 +22,10 @@ use crate::{
         Path,
         Verdict, //
     },
-    stats::Bdf,
+    stats::{
+        errno_name,
+        Bdf, //
+    },
 };
 
 pub(crate) use crate::params::PAIRS;
@@ -31,19 +34,16 @@ const PROCS: usize = 256;
 /// A process is counted in one shard of the process table, found by its id.
 const PROCS_PER_SHARD: usize = 16;
 
-/// The errnos a registration can fail with that are counted per pair, in the
-/// order of [`ERRNO_NAMES`]; anything else counts as the last.
+/// The errnos a registration can fail with that are counted per pair, each
+/// in a slot of its own; anything else counts in the last slot, `EOTHER`.
 const ERRNOS: [i32; 7] = [14, 12, 95, 22, 5, 1, 16];
-const ERRNO_NAMES: [&str; 8] = [
-    "EFAULT",
-    "ENOMEM",
-    "EOPNOTSUPP",
-    "EINVAL",
-    "EIO",
-    "EPERM",
-    "EBUSY",
-    "EOTHER",
-];
+const ERRNO_SLOTS: usize = ERRNOS.len() + 1;
+
+fn slot_name(i: usize) -> &'static str {
+    ERRNOS
+        .get(i)
+        .map_or("EOTHER", |&e| errno_name(Error::from_errno(-e)))
+}
 
 pub(crate) fn errno_slot(errno: i32) -> usize {
     ERRNOS
@@ -64,7 +64,7 @@ struct PairRec {
     iommu: u32,
     registrations: u64,
     policy_refusals: u64,
-    failures: [u64; ERRNO_NAMES.len()],
+    failures: [u64; ERRNO_SLOTS],
     /// Errno slot + 1 of the last failure; 0: none.
     last_failure: u32,
     /// The driver's refusal was explained in the log.
@@ -124,7 +124,7 @@ const FREE_PAIR: PairRec = PairRec {
     iommu: 0,
     registrations: 0,
     policy_refusals: 0,
-    failures: [0; ERRNO_NAMES.len()],
+    failures: [0; ERRNO_SLOTS],
     last_failure: 0,
     refusal_logged: false,
 };
@@ -358,16 +358,18 @@ pub(crate) struct Charge {
 /// No process slot was free: the process is not counted.
 const NO_PROC: u16 = u16::MAX;
 
-/// The slot of process `tgid`, or a free one, in its shard of
-/// [`PROCS_PER_SHARD`] slots (`None`: the shard is full).
+/// The slot of process `tgid` in its shard of [`PROCS_PER_SHARD`] slots: the
+/// record that carries its id, else a free one (`None`: the shard is full).
+/// A record keeps its process's id when its count drops to 0, until another
+/// process takes the free slot: a process that registers again finds its
+/// slot at once, and no two records carry one id.
 fn proc_slot(t: &Tables, tgid: u32) -> Option<usize> {
     let first = tgid as usize % (PROCS / PROCS_PER_SHARD) * PROCS_PER_SHARD;
-    let shard = first..first + PROCS_PER_SHARD;
-    let mine = |i: &usize| t.procs[*i].live != 0 && t.procs[*i].tgid == tgid;
+    let mut shard = first..first + PROCS_PER_SHARD;
     shard
         .clone()
-        .find(mine)
-        .or_else(|| shard.clone().find(|&i| t.procs[i].live == 0))
+        .find(|&i| t.procs[i].tgid == tgid)
+        .or_else(|| shard.find(|&i| t.procs[i].live == 0))
 }
 
 /// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
@@ -486,13 +488,13 @@ pub(crate) fn show_paths(f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 p.registrations,
             )?;
             let mut sep = "";
-            for (name, n) in ERRNO_NAMES.iter().zip(p.failures).filter(|(_, n)| *n > 0) {
-                write!(f, "{sep}{name}:{n}")?;
+            for (i, n) in p.failures.iter().enumerate().filter(|(_, n)| **n > 0) {
+                write!(f, "{sep}{}:{n}", slot_name(i))?;
                 sep = ",";
             }
             let last = match p.last_failure {
                 0 => "-",
-                i => ERRNO_NAMES[i as usize - 1],
+                i => slot_name(i as usize - 1),
             };
             let none = if sep.is_empty() { "-" } else { "" };
             writeln!(

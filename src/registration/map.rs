@@ -268,19 +268,9 @@ impl Registration {
 
 /// The error of a failed BAR mapping, counted and explained.
 fn bar_map_failed(at: At, e: Error, coherent: bool) -> Error {
-    if coherent {
-        fail!(
-            at at;
-            Cause::DmaMap,
-            e,
-            "mapping coherent GPU memory for the device failed (a device without coherent DMA, or a kernel without DMA_ATTR_REQUIRE_COHERENT)"
-        )
-    } else {
-        fail!(
-            at at;
-            Cause::DmaMap,
-            e,
-            "mapping GPU BAR pages for the device failed"
-        )
-    }
+    let what = match coherent {
+        true => "mapping coherent GPU memory for the device failed (a device without coherent DMA, or a kernel without DMA_ATTR_REQUIRE_COHERENT)",
+        false => "mapping GPU BAR pages for the device failed",
+    };
+    fail!(at at; Cause::DmaMap, e, "{what}")
 }
