@@ -48,22 +48,12 @@ impl<'a> Coalescer<'a> {
 impl Iterator for Coalescer<'_> {
     type Item = Segment;
 
+    /// The first run of the pages left (see [`Runs`], whose limit of
+    /// `max_seg` leaves it as it is), which leaves the pages after it.
     fn next(&mut self) -> Option<Segment> {
-        let (&first, rest) = self.addrs.split_first()?;
-        let mut seg = Segment {
-            addr: first,
-            len: self.page,
-        };
-        let mut used = 1;
-        for &a in rest {
-            let contiguous = seg.addr.checked_add(seg.len) == Some(a);
-            if !contiguous || seg.len + self.page > self.max_seg {
-                break;
-            }
-            seg.len += self.page;
-            used += 1;
-        }
-        self.addrs = &self.addrs[used..];
+        let addrs = self.addrs;
+        let seg = Runs::new(addrs.len(), |i| addrs[i], self.page, self.max_seg).next()?;
+        self.addrs = &addrs[(seg.len / self.page) as usize..];
         Some(seg)
     }
 }
@@ -110,11 +100,10 @@ impl<F: Fn(usize) -> u64> Iterator for Runs<F> {
             len: self.page,
         };
         self.at += 1;
-        while self.at < self.n {
-            let a = (self.addr)(self.at);
-            if seg.addr.checked_add(seg.len) != Some(a) || seg.len + self.page > self.max_seg {
-                break;
-            }
+        while self.at < self.n
+            && seg.addr.checked_add(seg.len) == Some((self.addr)(self.at))
+            && seg.len + self.page <= self.max_seg
+        {
             seg.len += self.page;
             self.at += 1;
         }
