@@ -48,12 +48,20 @@ impl<'a> Coalescer<'a> {
 impl Iterator for Coalescer<'_> {
     type Item = Segment;
 
-    /// The first run of the pages left (see [`Runs`], whose limit of
-    /// `max_seg` leaves it as it is), which leaves the pages after it.
+    /// The first run of the pages left (see [`Runs`]), which leaves the
+    /// pages after it.
     fn next(&mut self) -> Option<Segment> {
         let addrs = self.addrs;
-        let seg = Runs::new(addrs.len(), |i| addrs[i], self.page, self.max_seg).next()?;
-        self.addrs = &addrs[(seg.len / self.page) as usize..];
+        // `max_seg` is limited already.
+        let mut runs = Runs {
+            at: 0,
+            n: addrs.len(),
+            addr: |i| addrs[i],
+            page: self.page,
+            max_seg: self.max_seg,
+        };
+        let seg = runs.next()?;
+        self.addrs = &addrs[runs.at..];
         Some(seg)
     }
 }
