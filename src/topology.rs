@@ -281,10 +281,7 @@ impl Route {
     /// Counts a mapped registration of `bytes` for the process `tgid` (the
     /// one that pinned it).
     pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
-        if !params::accounting() {
-            return None;
-        }
-        let gpu = self.gpu?;
+        let gpu = self.gpu.filter(|_| params::accounting())?;
         Some(accounting::charge(self.pair, gpu, tgid, bytes))
     }
 }
