@@ -48,22 +48,20 @@ impl<'a> Coalescer<'a> {
 impl Iterator for Coalescer<'_> {
     type Item = Segment;
 
+    /// The first run of the pages left (see [`Runs`]), which leaves the
+    /// pages after it.
     fn next(&mut self) -> Option<Segment> {
-        let (&first, rest) = self.addrs.split_first()?;
-        let mut seg = Segment {
-            addr: first,
-            len: self.page,
+        let addrs = self.addrs;
+        // `max_seg` is limited already.
+        let mut runs = Runs {
+            at: 0,
+            n: addrs.len(),
+            addr: |i| addrs[i],
+            page: self.page,
+            max_seg: self.max_seg,
         };
-        let mut used = 1;
-        for &a in rest {
-            let contiguous = seg.addr.checked_add(seg.len) == Some(a);
-            if !contiguous || seg.len + self.page > self.max_seg {
-                break;
-            }
-            seg.len += self.page;
-            used += 1;
-        }
-        self.addrs = &self.addrs[used..];
+        let seg = runs.next()?;
+        self.addrs = &addrs[runs.at..];
         Some(seg)
     }
 }
@@ -110,11 +108,10 @@ impl<F: Fn(usize) -> u64> Iterator for Runs<F> {
             len: self.page,
         };
         self.at += 1;
-        while self.at < self.n {
-            let a = (self.addr)(self.at);
-            if seg.addr.checked_add(seg.len) != Some(a) || seg.len + self.page > self.max_seg {
-                break;
-            }
+        while self.at < self.n
+            && seg.addr.checked_add(seg.len) == Some((self.addr)(self.at))
+            && seg.len + self.page <= self.max_seg
+        {
             seg.len += self.page;
             self.at += 1;
         }

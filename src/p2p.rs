@@ -168,10 +168,12 @@ fn provider_result(rc: i32) -> Result {
     }
 }
 
-fn table_from(rc: i32, pt: *mut ffi::nvidia_p2p_page_table) -> Result<PageTable> {
+/// The object the provider made, as the token `token` makes of it, if its
+/// return code `rc` is a success (see [`provider_result`]).
+fn made<T, U>(rc: i32, p: *mut T, token: fn(NonNull<T>) -> U) -> Result<U> {
     provider_result(rc)?;
     // INVARIANT: the provider returned success with this pointer.
-    NonNull::new(pt).map(PageTable).ok_or(EIO)
+    NonNull::new(p).map(token).ok_or(EIO)
 }
 
 /// Pins `range` without a free callback; the pages stay until unpinned.
@@ -179,7 +181,7 @@ pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
     // SAFETY: `pt` is a valid out-pointer; the provider validates the range.
     let rc = unsafe { ffi::nvidia_p2p_get_pages_persistent(range.start, range.len, &mut pt, 0) };
-    table_from(rc, pt)
+    made(rc, pt, PageTable)
 }
 
 /// A free callback: the GPU driver calls it with its data when it frees the
@@ -205,7 +207,7 @@ pub(crate) unsafe fn get_pages(
     let rc = unsafe {
         ffi::nvidia_p2p_get_pages(0, 0, range.start, range.len, &mut pt, Some(callback), data)
     };
-    table_from(rc, pt)
+    made(rc, pt, PageTable)
 }
 
 impl PageTable {
@@ -329,9 +331,7 @@ impl PageTable {
         let mut m = core::ptr::null_mut();
         // SAFETY: per the caller's guarantee; `m` is a valid out-pointer.
         let rc = unsafe { ffi::nvidia_p2p_dma_map_pages(peer, self.0.as_ptr(), &mut m) };
-        provider_result(rc)?;
-        // INVARIANT: the provider returned success with this pointer.
-        NonNull::new(m).map(DmaMapping).ok_or(EIO)
+        made(rc, m, DmaMapping)
     }
 
     /// Undoes [`PageTable::dma_map`].

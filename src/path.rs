@@ -35,14 +35,9 @@ impl Class {
 
     /// The class of a stored level (1 = PIX ... 5 = SYS).
     pub(crate) fn from_level(level: u32) -> Option<Self> {
-        match level {
-            1 => Some(Class::Pix),
-            2 => Some(Class::Pxb),
-            3 => Some(Class::Phb),
-            4 => Some(Class::Node),
-            5 => Some(Class::Sys),
-            _ => None,
-        }
+        [Class::Pix, Class::Pxb, Class::Phb, Class::Node, Class::Sys]
+            .into_iter()
+            .find(|c| *c as u32 == level)
     }
 
     /// Whether peer traffic crosses the root complex (worth a warning).
@@ -102,10 +97,13 @@ fn is_switch(h: &Hop) -> bool {
     matches!(h.kind, HopKind::SwitchUp | HopKind::Bridge)
 }
 
-/// The path between devices below different host bridges: on one NUMA
-/// node, or not.
-fn across_hosts(a: &Chain<'_>, b: &Chain<'_>) -> Path {
-    let class = if a.numa >= 0 && b.numa >= 0 && a.numa != b.numa {
+/// The path between devices with no bridge in common: through their host
+/// bridge if they share it, else across host bridges on one NUMA node, or
+/// not.
+fn apart(a: &Chain<'_>, b: &Chain<'_>) -> Path {
+    let class = if a.root == b.root {
+        Class::Phb
+    } else if a.numa >= 0 && b.numa >= 0 && a.numa != b.numa {
         Class::Sys
     } else {
         Class::Node
@@ -119,9 +117,8 @@ fn across_hosts(a: &Chain<'_>, b: &Chain<'_>) -> Path {
 
 /// Classifies the path between the devices `a` and `b`.
 pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
-    let all_acs = || a.hops.iter().chain(b.hops).any(|h| h.acs_redirect);
     if a.root != b.root {
-        return across_hosts(a, b);
+        return apart(a, b);
     }
     // The lowest bridge both hang below.
     let common = a
@@ -131,24 +128,18 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
         .find_map(|(i, h)| b.hops.iter().position(|g| g.id == h.id).map(|j| (i, j)));
     let Some((i, j)) = common else {
         // They meet at the host bridge itself.
-        return Path {
-            class: Class::Phb,
-            acs_redirect: all_acs(),
-            shares_bridge: false,
-        };
+        return apart(a, b);
     };
     let below = || a.hops[..i].iter().chain(&b.hops[..j]);
     let acs_redirect = below().any(|h| h.acs_redirect);
-    let top = a.hops[i];
-    let class = if top.kind == HopKind::RootPort {
+    let class = if a.hops[i].kind == HopKind::RootPort {
         Class::Phb
-    } else {
+    } else if below().any(is_switch) {
         // Switches crossed: every switch entered below the meeting point,
-        // plus the one they meet in.
-        match below().filter(|h| is_switch(h)).count() + 1 {
-            1 => Class::Pix,
-            _ => Class::Pxb,
-        }
+        // plus the one they meet in; PIX is that one alone.
+        Class::Pxb
+    } else {
+        Class::Pix
     };
     Path {
         class,

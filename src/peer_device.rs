@@ -20,7 +20,9 @@ use crate::ffi;
 /// # Invariants
 ///
 /// `pdev` is the `pci_dev` of `dev`, and both stay alive while the core keeps
-/// the registration mapped for it.
+/// the registration mapped for it. A clone is the same device, alive under
+/// the same condition.
+#[derive(Clone)]
 pub(crate) struct PeerDevice {
     dev: NonNull<device>,
     pdev: NonNull<pci_dev>,
@@ -33,18 +35,6 @@ pub(crate) struct PeerDevice {
 // SAFETY: the pointers are only handed back to the provider and the DMA API,
 // which may be called from any thread; the core keeps the device alive.
 unsafe impl Send for PeerDevice {}
-
-impl Clone for PeerDevice {
-    fn clone(&self) -> Self {
-        // INVARIANT: the same device, alive under the same condition.
-        Self {
-            dev: self.dev,
-            pdev: self.pdev,
-            id: self.id,
-            max_seg: self.max_seg,
-        }
-    }
-}
 
 impl PeerDevice {
     /// The PCI device behind `dev`; `None` when `dev` is NULL or not PCI.

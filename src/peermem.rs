@@ -82,12 +82,8 @@ const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
     let mut out = [0u8; MODINFO_VERSION_LEN];
     let (k, v) = (b"version=", env!("PEERMEM_VERSION").as_bytes());
     let mut i = 0;
-    while i < k.len() {
-        out[i] = k[i];
-        i += 1;
-    }
     while i < k.len() + v.len() {
-        out[i] = v[i - k.len()];
+        out[i] = if i < k.len() { k[i] } else { v[i - k.len()] };
         i += 1;
     }
     out

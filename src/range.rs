@@ -46,9 +46,8 @@ impl GpuRange {
             return Err(RangeError::Empty);
         }
         let last = addr.checked_add(size - 1).ok_or(RangeError::Overflow)?;
-        let mask = granule - 1;
-        let start = addr & !mask;
-        let last_start = last & !mask;
+        let mask = !(granule - 1);
+        let (start, last_start) = (addr & mask, last & mask);
         let len = (last_start - start)
             .checked_add(granule)
             .ok_or(RangeError::Overflow)?;

@@ -105,11 +105,8 @@ impl SgTable {
         if n < 2 {
             return Err(EINVAL);
         }
-        let mut table = bindings::sg_table {
-            sgl: core::ptr::null_mut(),
-            nents: 0,
-            orig_nents: 0,
-        };
+        // No entries, no list.
+        let mut table = bindings::sg_table::default();
         // SAFETY: `table` is a valid, empty table.
         kernel::error::to_result(unsafe {
             bindings::sg_alloc_table(&mut table, n, bindings::GFP_KERNEL)

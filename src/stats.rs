@@ -216,12 +216,7 @@ macro_rules! fail {
         $crate::stats::failed($at, $cause, $err, ::core::format_args!($($fmt)*))
     };
     ($cause:expr, $err:expr, $($fmt:tt)*) => {
-        $crate::stats::failed(
-            $crate::stats::At::UNKNOWN,
-            $cause,
-            $err,
-            ::core::format_args!($($fmt)*),
-        )
+        $crate::stats::fail!(at $crate::stats::At::UNKNOWN; $cause, $err, $($fmt)*)
     };
 }
 pub(crate) use fail;

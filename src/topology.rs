@@ -56,7 +56,8 @@ pub(crate) struct Route {
     pair: Option<Pair>,
 }
 
-fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
+/// The device's way up as the shim gave it in `c`, its hops copied to `out`.
+fn chain<'a>(c: &ffi::PeermemChain, out: &'a mut [Hop; 16]) -> Chain<'a> {
     let n = core::cmp::min(c.nhops as usize, out.len());
     for (o, h) in out.iter_mut().zip(c.hops.iter()).take(n) {
         *o = Hop {
@@ -70,7 +71,11 @@ fn hops(c: &ffi::PeermemChain, out: &mut [Hop; 16]) -> usize {
             acs_redirect: h.acs_redirect != 0,
         };
     }
-    n
+    Chain {
+        root: c.root,
+        numa: c.numa,
+        hops: &out[..n],
+    }
 }
 
 #[cold]
@@ -81,17 +86,7 @@ fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::P
         return None;
     }
     let (mut ga, mut pa) = ([Hop::default(); 16], [Hop::default(); 16]);
-    let (gn, pn) = (hops(gpu_chain, &mut ga), hops(&peer_chain, &mut pa));
-    let a = Chain {
-        root: gpu_chain.root,
-        numa: gpu_chain.numa,
-        hops: &ga[..gn],
-    };
-    let b = Chain {
-        root: peer_chain.root,
-        numa: peer_chain.numa,
-        hops: &pa[..pn],
-    };
+    let (a, b) = (chain(gpu_chain, &mut ga), chain(&peer_chain, &mut pa));
     // SAFETY: a live device.
     let iommu = unsafe { ffi::peermem_iommu_kind(peer.dev()) };
     Some((path::classify(&a, &b), iommu.clamp(0, 4) as u32))
@@ -125,10 +120,8 @@ fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
 impl Route {
     /// The route of pages starting at bus address `phys` to `peer`.
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
-        match Self::known(phys, peer) {
-            Some(r) => r,
-            None => Self::new_pair(phys, accounting::gpu_by_phys(phys), peer),
-        }
+        Self::known(phys, peer)
+            .unwrap_or_else(|| Self::new_pair(phys, accounting::gpu_by_phys(phys), peer))
     }
 
     /// The route of pages starting at bus address `phys` to `peer` if its
@@ -168,11 +161,7 @@ impl Route {
         });
         Self {
             gpu,
-            gpu_id: if found.is_some() {
-                chain.id
-            } else {
-                gpu.map_or(0, |g| g.id)
-            },
+            gpu_id: found.map_or(gpu.map_or(0, |g| g.id), |_| chain.id),
             peer: peer_id,
             class: path.map(|(p, _)| p.class),
             shares_bridge: path.is_some_and(|(p, _)| p.shares_bridge),
@@ -292,10 +281,7 @@ impl Route {
     /// Counts a mapped registration of `bytes` for the process `tgid` (the
     /// one that pinned it).
     pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
-        if !params::accounting() {
-            return None;
-        }
-        let gpu = self.gpu?;
+        let gpu = self.gpu.filter(|_| params::accounting())?;
         Some(accounting::charge(self.pair, gpu, tgid, bytes))
     }
 }
@@ -325,9 +311,8 @@ fn gpu_of(phys: u64) -> Option<Gpu> {
 /// core holds no `mapping_lock` (facts 11-12), so the driver may be called.
 // One call site (the invalidating `acquire`): inlined there.
 pub(crate) fn learn_gate(start: u64, phys: u64) {
-    match gpu_of(phys) {
-        Some(gpu) if gpu.gate.is_none() => probe_gate(start, gpu),
-        _ => (),
+    if let Some(gpu) = gpu_of(phys).filter(|g| g.gate.is_none()) {
+        probe_gate(start, gpu);
     }
 }
 
