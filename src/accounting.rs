@@ -85,9 +85,8 @@ struct GpuRec {
     pinned: u64,
     max_pinned: u64,
     /// The GPU driver's topology verdicts for this GPU's peers below a
-    /// common bridge and not, once `gate_learnt`.
-    gate: (Verdict, Verdict),
-    gate_learnt: bool,
+    /// common bridge and not, once learnt.
+    gate: Option<(Verdict, Verdict)>,
     gate_tries: u32,
 }
 
@@ -137,8 +136,7 @@ const FREE_GPU: GpuRec = GpuRec {
     live: 0,
     pinned: 0,
     max_pinned: 0,
-    gate: (Verdict::Unknown, Verdict::Unknown),
-    gate_learnt: false,
+    gate: None,
     gate_tries: 0,
 };
 
@@ -172,11 +170,10 @@ pub(crate) struct Gpu {
 
 fn live_gpu(t: &Tables, slot: usize) -> Option<Gpu> {
     let g = &t.gpus[slot];
-    let gate = g.gate_learnt.then_some(g.gate);
     (g.bar_start != 0 && !g.retired).then_some(Gpu {
         slot,
         id: g.id,
-        gate,
+        gate: g.gate,
     })
 }
 
@@ -249,16 +246,11 @@ pub(crate) fn gate_attempt(gpu: Gpu) -> u32 {
 /// Records the GPU driver's topology verdicts for `gpu`'s peers; what was not
 /// asked counts as [`Verdict::Unverified`] from now on.
 pub(crate) fn set_gate(gpu: Gpu, near: Verdict, far: Verdict) {
-    let known = |v: Verdict| {
-        if v == Verdict::Unknown {
-            Verdict::Unverified
-        } else {
-            v
-        }
+    let known = |v| match v {
+        Verdict::Unknown => Verdict::Unverified,
+        v => v,
     };
-    let mut t = TABLES.lock();
-    t.gpus[gpu.slot].gate = (known(near), known(far));
-    t.gpus[gpu.slot].gate_learnt = true;
+    TABLES.lock().gpus[gpu.slot].gate = Some((known(near), known(far)));
 }
 
 /// A pair's slot and what is known of its path.
@@ -522,6 +514,7 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
         |t| &t.gpus,
         |g| g.bar_start != 0 && !g.retired,
         |f, g| {
+            let (near, far) = g.gate.unwrap_or((Verdict::Unknown, Verdict::Unknown));
             writeln!(
             f,
             "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={}",
@@ -529,8 +522,8 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
             g.live,
             g.pinned,
             g.max_pinned,
-            verdict_name(g.gate.0),
-            verdict_name(g.gate.1),
+            verdict_name(near),
+            verdict_name(far),
         )
         },
     )

@@ -118,25 +118,21 @@ fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
 }
 
 impl Route {
-    /// The route of pages starting at bus address `phys` to `peer`.
+    /// The route of pages starting at bus address `phys` to `peer`: one look
+    /// at the tables when its GPU and pair are known already.
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
-        Self::known(phys, peer)
-            .unwrap_or_else(|| Self::new_pair(phys, accounting::gpu_by_phys(phys), peer))
-    }
-
-    /// The route of pages starting at bus address `phys` to `peer` if its
-    /// GPU and pair are known already.
-    fn known(phys: u64, peer: &PeerDevice) -> Option<Self> {
         let peer_id = peer.id();
-        let (gpu, pair, class) = accounting::known_pair(phys, peer_id)?;
-        Some(Self {
-            gpu: Some(gpu),
-            gpu_id: gpu.id,
-            peer: peer_id,
-            class: Some(class),
-            shares_bridge: pair.shares_bridge,
-            pair: Some(pair),
-        })
+        match accounting::known_pair(phys, peer_id) {
+            Some((gpu, pair, class)) => Self {
+                gpu: Some(gpu),
+                gpu_id: gpu.id,
+                peer: peer_id,
+                class: Some(class),
+                shares_bridge: pair.shares_bridge,
+                pair: Some(pair),
+            },
+            None => Self::new_pair(phys, accounting::gpu_by_phys(phys), peer),
+        }
     }
 
     /// A new pair, maybe of a new GPU (rare), or a pair without a slot:
