@@ -2,6 +2,8 @@
 
 //! `acquire`: the registration object and its pin.
 
+use core::fmt;
+
 use kernel::{
     new_spinlock,
     prelude::*,
@@ -69,22 +71,20 @@ fn object(
 
 /// The user's range, widened to whole granules, and its length in granules.
 fn widened(addr: u64, size: u64) -> Result<(GpuRange, u32)> {
+    let refused = |why: fmt::Arguments<'_>| {
+        fail!(
+            Cause::BadRange,
+            EINVAL,
+            "refused range {addr:#x}+{size:#x}: {why}"
+        )
+    };
     let range = GpuRange::widen(addr, size, GRANULE).map_err(|e| {
         reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
-        fail!(
-            Cause::BadRange,
-            EINVAL,
-            "refused range {addr:#x}+{size:#x}: {e:?}"
-        )
+        refused(format_args!("{e:?}"))
     })?;
     // 2^32 granules are 256 TiB: more than any GPU has.
-    let granules = u32::try_from(range.len / GRANULE).map_err(|_| {
-        fail!(
-            Cause::BadRange,
-            EINVAL,
-            "refused range {addr:#x}+{size:#x}: too long"
-        )
-    })?;
+    let granules =
+        u32::try_from(range.len / GRANULE).map_err(|_| refused(format_args!("too long")))?;
     Ok((range, granules))
 }
 
