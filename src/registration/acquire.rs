@@ -193,14 +193,19 @@ impl Registration {
         // undone (it only revokes and hands the reference over).
         match unsafe { p2p::get_pages(&self.range(), free_trampoline, raw) } {
             Ok(table) => {
-                // INVARIANT: the provider holds the reference taken above.
-                let token = Some(ArmedCallback(()));
                 let pin = Pin {
                     table,
-                    token,
+                    // INVARIANT: the provider holds the reference taken above.
+                    token: Some(ArmedCallback(())),
                     owner,
                 };
-                self.pinned(pin)
+                // Recorded unless the free callback came first: it already
+                // ran and consumed the provider's reference, and the table is
+                // the provider's to free; drop our handles only.
+                let took = self.enter().lc.pin_succeeded(pin);
+                took.map_err(|_| fail!(Cause::Revoked, EFAULT, "GPU memory freed while pinning"))?;
+                STATS.pinned_bytes.add(self.range().len, Relaxed);
+                Ok(())
             }
             Err(e) => {
                 // SAFETY: the provider refused and did not keep the callback:
@@ -209,24 +214,6 @@ impl Registration {
                 self.enter().lc.pin_failed();
                 Err(e)
             }
-        }
-    }
-
-    /// Records a pin the provider made, unless its free callback came first.
-    fn pinned(&self, pin: Pin<super::Held>) -> Result {
-        let took = self.enter().lc.pin_succeeded(pin);
-        match took {
-            Ok(()) => {
-                STATS.pinned_bytes.add(self.range().len, Relaxed);
-                Ok(())
-            }
-            // The callback already ran and consumed the provider's reference;
-            // the table is the provider's to free: drop our handles only.
-            Err(_) => Err(fail!(
-                Cause::Revoked,
-                EFAULT,
-                "GPU memory freed while pinning"
-            )),
         }
     }
 
