@@ -49,7 +49,6 @@ use kernel::{
 
 use crate::{
     accounting::Charge,
-    compat,
     device_map::DeviceMap,
     lifecycle::{
         Lifecycle,
@@ -190,11 +189,6 @@ impl Counted for Registration {
 
 /// The pinning granule: ranges are widened to it.
 const GRANULE: u64 = range::granule(bindings::PAGE_SIZE as u64);
-
-/// The calling thread, compared only.
-fn current_task() -> NonZeroU32 {
-    compat::current_ids().0
-}
 
 fn refused(r: Refusal, call: &str) -> Error {
     match r {

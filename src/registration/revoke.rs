@@ -9,14 +9,13 @@ use kernel::{
 };
 
 use super::{
-    current_task,
     refs,
     Mode,
     RegRef,
     Registration, //
 };
 use crate::{
-    core_link,
+    compat, core_link,
     device_map::DeviceMap,
     lifecycle::Invalidate,
     stats::{
@@ -63,7 +62,8 @@ impl Registration {
             // it once we return.
             let (action, table) = g.lc.invalidate();
             if let Invalidate::NotifyCore(_) = action {
-                g.in_core = Some(current_task());
+                // The calling thread, compared only.
+                g.in_core = Some(compat::current_ids().0);
             }
             // A `dma_map` still reads the table: the provider frees it as
             // soon as we return, so wait (it takes no lock of the provider's
