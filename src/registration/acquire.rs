@@ -21,7 +21,7 @@ use super::{
         Spare, //
     },
     revoke::free_trampoline,
-    ArmedCallback, Inner, Mode, RegRef, Registration, GRANULE,
+    ArmedCallback, Inner, Mode, RegRef, Registration, Span, GRANULE,
 };
 use crate::{
     compat,
@@ -161,11 +161,7 @@ impl Registration {
     /// not the GPU driver's to pin (not ours), else the error `get_pages`
     /// reports for memory that is the GPU driver's.
     fn pin_refused(e: Error, mode: Mode, range: &GpuRange) -> Result<Error> {
-        reg_dbg!(
-            "acquire {:#x}+{:#x}: declined ({e:?})",
-            range.start,
-            range.len
-        );
+        reg_dbg!("acquire {}: declined ({e:?})", Span(*range));
         match e {
             // The GPU driver refuses persistent pins (MIG, vGPU): the memory
             // is its, so say why instead of the core's "Bad address".

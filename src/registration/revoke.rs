@@ -12,7 +12,8 @@ use super::{
     refs,
     Mode,
     RegRef,
-    Registration, //
+    Registration,
+    Span, //
 };
 use crate::{
     compat, core_link,
@@ -85,11 +86,7 @@ impl Registration {
 
     /// Does what the free callback must after the lifecycle decided.
     fn revoked(&self, action: Invalidate) {
-        reg_dbg!(
-            "free callback for {:#x}+{:#x}: {action:?}",
-            self.range().start,
-            self.range().len
-        );
+        reg_dbg!("free callback for {}: {action:?}", Span(self.range()));
         match action {
             Invalidate::NotifyCore(ctx) => self.revoke_in_core(ctx),
             Invalidate::Reaped { orphaned: true } => {
