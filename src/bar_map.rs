@@ -246,12 +246,8 @@ pub(crate) unsafe fn map(
     }
     iovas.push(last, GFP_KERNEL)?;
     let sg = SgTable::new(iovas.len(), iovas.iter().map(RunIova::segment))?;
+    let iovas = Some(iovas);
     // INVARIANT: the scatterlist was built from exactly these runs.
-    Ok(BarMapping::Runs(KBox::new(
-        BarMap {
-            sg,
-            iovas: Some(iovas),
-        },
-        GFP_KERNEL,
-    )?))
+    let map = KBox::new(BarMap { sg, iovas }, GFP_KERNEL)?;
+    Ok(BarMapping::Runs(map))
 }

@@ -161,10 +161,9 @@ impl Drop for CallbackFence {
 
 /// A provider return code as a result (see [`provider_error`]).
 fn provider_result(rc: i32) -> Result {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(provider_error(rc))
+    match rc {
+        0 => Ok(()),
+        _ => Err(provider_error(rc)),
     }
 }
 

@@ -90,12 +90,11 @@ impl Drop for ProviderRun {
 impl ProviderRun {
     /// The mapping's bus addresses, one per 64 KiB page.
     fn addresses(&self) -> &[u64] {
-        match &self.mapping {
+        self.mapping
+            .as_ref()
             // SAFETY: checked, and valid until this object undoes it (type
             // invariant), which the borrow outlasts.
-            Some(m) => unsafe { m.addresses() },
-            None => &[],
-        }
+            .map_or(&[], |m| unsafe { m.addresses() })
     }
 }
 

@@ -101,10 +101,7 @@ unsafe impl Send for SgTable {}
 impl SgTable {
     /// A table of `n` entries, two or more, from `sg_alloc_table`.
     fn alloc(n: usize) -> Result<Self> {
-        let n = u32::try_from(n).map_err(|_| EINVAL)?;
-        if n < 2 {
-            return Err(EINVAL);
-        }
+        let n = u32::try_from(n).ok().filter(|&n| n >= 2).ok_or(EINVAL)?;
         // No entries, no list.
         let mut table = bindings::sg_table::default();
         // SAFETY: `table` is a valid, empty table.

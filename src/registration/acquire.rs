@@ -2,6 +2,8 @@
 
 //! `acquire`: the registration object and its pin.
 
+use core::fmt;
+
 use kernel::{
     new_spinlock,
     prelude::*,
@@ -19,7 +21,7 @@ use super::{
         Spare, //
     },
     revoke::free_trampoline,
-    ArmedCallback, Inner, Mode, RegRef, Registration, GRANULE,
+    ArmedCallback, Inner, Mode, RegRef, Registration, Span, GRANULE,
 };
 use crate::{
     compat,
@@ -69,22 +71,20 @@ fn object(
 
 /// The user's range, widened to whole granules, and its length in granules.
 fn widened(addr: u64, size: u64) -> Result<(GpuRange, u32)> {
+    let refused = |why: fmt::Arguments<'_>| {
+        fail!(
+            Cause::BadRange,
+            EINVAL,
+            "refused range {addr:#x}+{size:#x}: {why}"
+        )
+    };
     let range = GpuRange::widen(addr, size, GRANULE).map_err(|e| {
         reg_dbg!("acquire {addr:#x}+{size:#x}: refused ({e:?})");
-        fail!(
-            Cause::BadRange,
-            EINVAL,
-            "refused range {addr:#x}+{size:#x}: {e:?}"
-        )
+        refused(format_args!("{e:?}"))
     })?;
     // 2^32 granules are 256 TiB: more than any GPU has.
-    let granules = u32::try_from(range.len / GRANULE).map_err(|_| {
-        fail!(
-            Cause::BadRange,
-            EINVAL,
-            "refused range {addr:#x}+{size:#x}: too long"
-        )
-    })?;
+    let granules =
+        u32::try_from(range.len / GRANULE).map_err(|_| refused(format_args!("too long")))?;
     Ok((range, granules))
 }
 
@@ -161,11 +161,7 @@ impl Registration {
     /// not the GPU driver's to pin (not ours), else the error `get_pages`
     /// reports for memory that is the GPU driver's.
     fn pin_refused(e: Error, mode: Mode, range: &GpuRange) -> Result<Error> {
-        reg_dbg!(
-            "acquire {:#x}+{:#x}: declined ({e:?})",
-            range.start,
-            range.len
-        );
+        reg_dbg!("acquire {}: declined ({e:?})", Span(*range));
         match e {
             // The GPU driver refuses persistent pins (MIG, vGPU): the memory
             // is its, so say why instead of the core's "Bad address".
@@ -193,14 +189,19 @@ impl Registration {
         // undone (it only revokes and hands the reference over).
         match unsafe { p2p::get_pages(&self.range(), free_trampoline, raw) } {
             Ok(table) => {
-                // INVARIANT: the provider holds the reference taken above.
-                let token = Some(ArmedCallback(()));
                 let pin = Pin {
                     table,
-                    token,
+                    // INVARIANT: the provider holds the reference taken above.
+                    token: Some(ArmedCallback(())),
                     owner,
                 };
-                self.pinned(pin)
+                // Recorded unless the free callback came first: it already
+                // ran and consumed the provider's reference, and the table is
+                // the provider's to free; drop our handles only.
+                let took = self.enter().lc.pin_succeeded(pin);
+                took.map_err(|_| fail!(Cause::Revoked, EFAULT, "GPU memory freed while pinning"))?;
+                STATS.pinned_bytes.add(self.range().len, Relaxed);
+                Ok(())
             }
             Err(e) => {
                 // SAFETY: the provider refused and did not keep the callback:
@@ -209,24 +210,6 @@ impl Registration {
                 self.enter().lc.pin_failed();
                 Err(e)
             }
-        }
-    }
-
-    /// Records a pin the provider made, unless its free callback came first.
-    fn pinned(&self, pin: Pin<super::Held>) -> Result {
-        let took = self.enter().lc.pin_succeeded(pin);
-        match took {
-            Ok(()) => {
-                STATS.pinned_bytes.add(self.range().len, Relaxed);
-                Ok(())
-            }
-            // The callback already ran and consumed the provider's reference;
-            // the table is the provider's to free: drop our handles only.
-            Err(_) => Err(fail!(
-                Cause::Revoked,
-                EFAULT,
-                "GPU memory freed while pinning"
-            )),
         }
     }
 

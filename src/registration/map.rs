@@ -13,7 +13,8 @@ use super::{
     Entered,
     Held,
     Mode,
-    Registration, //
+    Registration,
+    Span, //
 };
 use crate::{
     bar_map, compat,
@@ -49,11 +50,11 @@ impl Registration {
         }
         let mut g = self.enter();
         if let Some(e) = g.pin_error {
-            let (start, len) = (self.range().start, self.range().len);
             return Err(fail!(
                 Cause::Pin,
                 e,
-                "the GPU driver could not pin {start:#x}+{len:#x}"
+                "the GPU driver could not pin {}",
+                Span(self.range())
             ));
         }
         let checked = match g.lc.pinned_table() {
@@ -123,11 +124,7 @@ impl Registration {
     fn mapped(&self, nents: u32) -> u32 {
         STATS.registrations.add(1, Relaxed);
         STATS.sg_entries.add(u64::from(nents), Relaxed);
-        reg_dbg!(
-            "mapped {:#x}+{:#x}: {nents} entries",
-            self.range().start,
-            self.range().len
-        );
+        reg_dbg!("mapped {}: {nents} entries", Span(self.range()));
         nents
     }
 

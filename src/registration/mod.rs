@@ -29,7 +29,10 @@ pub(crate) mod refs;
 mod release;
 mod revoke;
 
-use core::num::NonZeroU32;
+use core::{
+    fmt,
+    num::NonZeroU32, //
+};
 
 use kernel::{
     bindings,
@@ -49,7 +52,6 @@ use kernel::{
 
 use crate::{
     accounting::Charge,
-    compat,
     device_map::DeviceMap,
     lifecycle::{
         Lifecycle,
@@ -191,9 +193,13 @@ impl Counted for Registration {
 /// The pinning granule: ranges are widened to it.
 const GRANULE: u64 = range::granule(bindings::PAGE_SIZE as u64);
 
-/// The calling thread, compared only.
-fn current_task() -> NonZeroU32 {
-    compat::current_ids().0
+/// A range as log lines show it: `start+len`, in hex.
+struct Span(GpuRange);
+
+impl fmt::Display for Span {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}+{:#x}", self.0.start, self.0.len)
+    }
 }
 
 fn refused(r: Refusal, call: &str) -> Error {

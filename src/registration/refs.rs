@@ -207,10 +207,6 @@ impl<T: Counted> Ref<T> {
         // (caller).
         Self(NonNull::from(obj))
     }
-
-    fn count(&self) -> &Atomic<u32> {
-        &self.refs().0
-    }
 }
 
 impl<T: Counted> Deref for Ref<T> {
@@ -224,7 +220,7 @@ impl<T: Counted> Deref for Ref<T> {
 
 impl<T: Counted> Clone for Ref<T> {
     fn clone(&self) -> Self {
-        self.count().add(1, Relaxed);
+        self.refs().0.add(1, Relaxed);
         // INVARIANT: counted above.
         Self(self.0)
     }
@@ -234,7 +230,7 @@ impl<T: Counted> Drop for Ref<T> {
     fn drop(&mut self) {
         // Full: this thread's uses of the object happen before the free, and
         // every other thread's before this one's free.
-        if self.count().fetch_sub(1, Full) != 1 {
+        if self.refs().0.fetch_sub(1, Full) != 1 {
             return;
         }
         let p = self.0.as_ptr();

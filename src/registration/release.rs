@@ -10,7 +10,8 @@ use kernel::{
 
 use super::{
     Mode,
-    Registration, //
+    Registration,
+    Span, //
 };
 use crate::{
     accounting::Charge,
@@ -111,9 +112,8 @@ impl Registration {
         fail!(
             Cause::Unpin,
             err,
-            "nvidia_p2p_put_pages failed for {:#x}+{:#x}: the pin stays until the GPU memory is freed",
-            self.range().start,
-            self.range().len
+            "nvidia_p2p_put_pages failed for {}: the pin stays until the GPU memory is freed",
+            Span(self.range())
         );
     }
 
@@ -150,9 +150,8 @@ impl Registration {
             fail!(
                 Cause::Unpin,
                 e,
-                "nvidia_p2p_put_pages_persistent failed for {:#x}+{:#x}: the pin is lost",
-                self.range().start,
-                self.range().len
+                "nvidia_p2p_put_pages_persistent failed for {}: the pin is lost",
+                Span(self.range())
             );
         }
     }

@@ -9,14 +9,14 @@ use kernel::{
 };
 
 use super::{
-    current_task,
     refs,
     Mode,
     RegRef,
-    Registration, //
+    Registration,
+    Span, //
 };
 use crate::{
-    core_link,
+    compat, core_link,
     device_map::DeviceMap,
     lifecycle::Invalidate,
     stats::{
@@ -63,7 +63,8 @@ impl Registration {
             // it once we return.
             let (action, table) = g.lc.invalidate();
             if let Invalidate::NotifyCore(_) = action {
-                g.in_core = Some(current_task());
+                // The calling thread, compared only.
+                g.in_core = Some(compat::current_ids().0);
             }
             // A `dma_map` still reads the table: the provider frees it as
             // soon as we return, so wait (it takes no lock of the provider's
@@ -85,11 +86,7 @@ impl Registration {
 
     /// Does what the free callback must after the lifecycle decided.
     fn revoked(&self, action: Invalidate) {
-        reg_dbg!(
-            "free callback for {:#x}+{:#x}: {action:?}",
-            self.range().start,
-            self.range().len
-        );
+        reg_dbg!("free callback for {}: {action:?}", Span(self.range()));
         match action {
             Invalidate::NotifyCore(ctx) => self.revoke_in_core(ctx),
             Invalidate::Reaped { orphaned: true } => {
