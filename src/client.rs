@@ -59,26 +59,17 @@ pub(crate) struct ClientTable(pub(crate) ffi::peer_memory_client_ex);
 // SAFETY: the table is immutable after build time.
 unsafe impl Sync for ClientTable {}
 
-const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
-    macro_rules! of_mode {
-        ($f:ident) => {
-            Some(if invalidating {
-                $f::<true>
-            } else {
-                $f::<false>
-            })
-        };
-    }
+const fn table<const INV: bool>(name: &str, extended: bool) -> ClientTable {
     let client = ffi::peer_memory_client {
         name: c_array(name, 0),
         version: c_array(VERSION, extended as u8),
-        acquire: of_mode!(acquire),
-        get_pages: of_mode!(get_pages),
-        dma_map: of_mode!(dma_map),
-        dma_unmap: of_mode!(dma_unmap),
-        put_pages: of_mode!(put_pages),
+        acquire: Some(acquire::<INV>),
+        get_pages: Some(get_pages::<INV>),
+        dma_map: Some(dma_map::<INV>),
+        dma_unmap: Some(dma_unmap::<INV>),
+        put_pages: Some(put_pages::<INV>),
         get_page_size: Some(get_page_size),
-        release: of_mode!(release),
+        release: Some(release::<INV>),
     };
     ClientTable(ffi::peer_memory_client_ex {
         client,
@@ -93,14 +84,14 @@ const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
 
 /// `nv_mem` revoking through the core's hook, extended with
 /// `PEER_MEM_INVALIDATE_UNMAPS` (the core never unmaps from its invalidate).
-pub(crate) static NV_MEM_INVALIDATING: ClientTable = table("nv_mem", true, true);
+pub(crate) static NV_MEM_INVALIDATING: ClientTable = table::<true>("nv_mem", true);
 /// `nv_mem` revoking through the core's hook, for old cores
 /// (`peerdirect_support=1`): the core unmaps from inside its invalidate.
-pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table("nv_mem", true, false);
+pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table::<true>("nv_mem", false);
 /// `nv_mem` with persistent pages (`persistent_api_support=1`).
-pub(crate) static NV_MEM_PERSISTENT: ClientTable = table("nv_mem", false, false);
+pub(crate) static NV_MEM_PERSISTENT: ClientTable = table::<false>("nv_mem", false);
 /// `nv_mem_nc`: persistent pages, usable for CQ/QP umems too.
-pub(crate) static NV_MEM_NC: ClientTable = table("nv_mem_nc", false, false);
+pub(crate) static NV_MEM_NC: ClientTable = table::<false>("nv_mem_nc", false);
 
 /// A client registered with the core; unregisters on drop, which blocks until
 /// the core released every registration made through it.
