@@ -233,10 +233,8 @@ unsafe extern "C" fn get_pages<const INV: bool>(
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
     let reg = unsafe { called::<INV>(client_context) };
-    match reg.get_pages(addr as u64, size as u64, core_context) {
-        Ok(()) => 0,
-        Err(e) => e.to_errno(),
-    }
+    reg.get_pages(addr as u64, size as u64, core_context)
+        .map_or_else(|e| e.to_errno(), |()| 0)
 }
 
 /// `dma_map`: see [`Registration::dma_map`].
