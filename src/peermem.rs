@@ -74,20 +74,9 @@ module! {
 #[cfg(MODULE)]
 #[link_section = ".modinfo"]
 #[used(compiler)]
-static MODINFO_VERSION: [u8; MODINFO_VERSION_LEN] = modinfo_version();
+static MODINFO_VERSION: [u8; MODINFO.len()] = *MODINFO.as_bytes().first_chunk().unwrap();
 
-const MODINFO_VERSION_LEN: usize = "version=".len() + env!("PEERMEM_VERSION").len() + 1;
-
-const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
-    let mut out = [0u8; MODINFO_VERSION_LEN];
-    let (k, v) = (b"version=", env!("PEERMEM_VERSION").as_bytes());
-    let mut i = 0;
-    while i < k.len() + v.len() {
-        out[i] = if i < k.len() { k[i] } else { v[i - k.len()] };
-        i += 1;
-    }
-    out
-}
+const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 
 /// A module parameter's value.
 macro_rules! param {
