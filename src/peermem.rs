@@ -42,13 +42,7 @@ mod registration;
 mod tests;
 mod views;
 
-use client::{
-    CoreRegistration,
-    NV_MEM_INVALIDATING,
-    NV_MEM_INVALIDATING_LEGACY,
-    NV_MEM_NC,
-    NV_MEM_PERSISTENT, //
-};
+use client::CoreRegistration;
 use registration::{
     refs::ReapQueue,
     RegCache,
@@ -146,22 +140,25 @@ fn path_parameters() -> Result {
 fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
     let mut clients = KVec::new();
     if persistent {
-        clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
+        clients.push(
+            CoreRegistration::new(&client::NV_MEM_PERSISTENT, None)?,
+            GFP_KERNEL,
+        )?;
         return Ok((clients, "nv_mem (persistent)"));
     }
     let (table, text) = match legacy {
         true => (
-            &NV_MEM_INVALIDATING_LEGACY,
+            &client::NV_MEM_INVALIDATING_LEGACY,
             "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
         ),
         false => (
-            &NV_MEM_INVALIDATING,
+            &client::NV_MEM_INVALIDATING,
             "nv_mem (invalidating), nv_mem_nc (persistent)",
         ),
     };
     let link = Some(&core_link::INVALIDATING);
     clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
-    clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
+    clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
     Ok((clients, text))
 }
 
