@@ -72,13 +72,6 @@ static MODINFO_VERSION: [u8; MODINFO.len()] = *MODINFO.as_bytes().first_chunk().
 
 const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 
-/// A module parameter's value.
-macro_rules! param {
-    ($name:ident) => {
-        params::Param::$name.value()
-    };
-}
-
 /// The module: its core registrations and its files in sysfs.
 ///
 /// Fields drop in declaration order: the clients unregister first (the core
@@ -100,39 +93,6 @@ struct NvidiaPeermem {
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
     _cache: RegCache,
-}
-
-/// Reads and checks the path parameters and copies them where the
-/// registrations read them; called at load, before any client is registered.
-fn path_parameters() -> Result {
-    let policy = param!(PathPolicy);
-    if !(0..=5).contains(&policy) {
-        pr_err!(
-            "invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n"
-        );
-        return Err(EINVAL);
-    }
-    let (accounting, unverified) = (param!(PathAccounting), param!(AllowUnverifiedPaths));
-    if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
-        pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
-        return Err(EINVAL);
-    }
-    let slots = param!(PairTableSlots);
-    if !(1..=params::PAIRS as i32).contains(&slots) {
-        pr_err!(
-            "invalid parameter pair_table_slots={slots} (1..{})\n",
-            params::PAIRS
-        );
-        return Err(EINVAL);
-    }
-    // Validated above.
-    params::set(params::PathParams {
-        policy: policy as u32,
-        accounting: accounting == 1,
-        unverified: unverified == 1,
-        pair_slots: slots as u32,
-    });
-    Ok(())
 }
 
 /// Registers the clients of the mode the parameters chose; returns them and
@@ -164,12 +124,13 @@ fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
-        let (persistent, legacy) = (param!(PersistentApiSupport), param!(PeerdirectSupport));
+        let persistent = params::Param::PersistentApiSupport.value();
+        let legacy = params::Param::PeerdirectSupport.value();
         if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
-        path_parameters()?;
+        params::load_path()?;
         let cache = RegCache::new::<Registration>()?;
         let reaper = ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
