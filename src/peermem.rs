@@ -43,11 +43,6 @@ mod tests;
 mod views;
 
 use client::CoreRegistration;
-use registration::{
-    refs::ReapQueue,
-    RegCache,
-    Registration, //
-};
 
 module! {
     type: NvidiaPeermem,
@@ -87,12 +82,12 @@ struct NvidiaPeermem {
     // After the clients: no callback can be armed; before the reaper: the
     // callbacks that handed it references have returned.
     _callbacks: Option<p2p::CallbackFence>,
-    _reaper: ReapQueue,
+    _reaper: registration::refs::ReapQueue,
     // After the clients and the reaper: no registration is charged any more.
     _watch: accounting::Watch,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
-    _cache: RegCache,
+    _cache: registration::RegCache,
 }
 
 /// Registers the clients of the mode the parameters chose; returns them and
@@ -131,8 +126,8 @@ impl kernel::Module for NvidiaPeermem {
             return Err(EINVAL);
         }
         params::load_path()?;
-        let cache = RegCache::new::<Registration>()?;
-        let reaper = ReapQueue::new()?;
+        let cache = registration::RegCache::new::<registration::Registration>()?;
+        let reaper = registration::refs::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;
