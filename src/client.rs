@@ -21,10 +21,7 @@ use kernel::{
 use kernel::sync::atomic::Relaxed;
 
 use crate::{
-    core_link::{
-        CoreLink,
-        INVALIDATING, //
-    },
+    core_link,
     ffi,
     peer_device::PeerDevice,
     registration::{
@@ -32,7 +29,7 @@ use crate::{
         RegRef,
         Registration, //
     },
-    stats::STATS,
+    stats::STATS, //
 };
 
 /// The module version as the clients report it (at most 14 characters: the
@@ -101,7 +98,7 @@ pub(crate) static NV_MEM_NC: ClientTable = table::<false>("nv_mem_nc", false);
 /// `handle` was returned by `ib_register_peer_memory_client` for `table`.
 pub(crate) struct CoreRegistration {
     handle: NonNull<c_void>,
-    link: Option<&'static CoreLink>,
+    link: Option<&'static core_link::CoreLink>,
 }
 
 // SAFETY: the handle is an opaque token of the core, usable from any thread.
@@ -113,7 +110,7 @@ impl CoreRegistration {
     /// Registers `table`; with `link`, as an invalidating client.
     pub(crate) fn new(
         table: &'static ClientTable,
-        link: Option<&'static CoreLink>,
+        link: Option<&'static core_link::CoreLink>,
     ) -> Result<Self> {
         let slot = link.map_or(core::ptr::null_mut(), |l| l.hook_slot());
         // SAFETY: `table` is 'static; `slot` is NULL or a 'static slot.
@@ -192,7 +189,7 @@ unsafe extern "C" fn acquire<const INV: bool>(
 ) -> c_int {
     // The invalidating client's registrations use `INVALIDATING`, which is
     // ready once registration with the core returned.
-    if client_context.is_null() || (INV && !INVALIDATING.ready()) {
+    if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
         return 0;
     }
     let mode = if INV {
