@@ -93,27 +93,23 @@ struct NvidiaPeermem {
 /// Registers the clients of the mode the parameters chose; returns them and
 /// their description for the log.
 fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
-    let mut clients = KVec::new();
-    if persistent {
-        clients.push(
-            CoreRegistration::new(&client::NV_MEM_PERSISTENT, None)?,
-            GFP_KERNEL,
-        )?;
-        return Ok((clients, "nv_mem (persistent)"));
-    }
-    let (table, text) = match legacy {
-        true => (
+    let (table, text) = match (persistent, legacy) {
+        (true, _) => (&client::NV_MEM_PERSISTENT, "nv_mem (persistent)"),
+        (false, true) => (
             &client::NV_MEM_INVALIDATING_LEGACY,
             "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
         ),
-        false => (
+        (false, false) => (
             &client::NV_MEM_INVALIDATING,
             "nv_mem (invalidating), nv_mem_nc (persistent)",
         ),
     };
-    let link = Some(&core_link::INVALIDATING);
+    let link = (!persistent).then_some(&core_link::INVALIDATING);
+    let mut clients = KVec::new();
     clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
-    clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
+    if !persistent {
+        clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
+    }
     Ok((clients, text))
 }
 
