@@ -21,10 +21,7 @@ use kernel::{
 use kernel::sync::atomic::Relaxed;
 
 use crate::{
-    core_link::{
-        CoreLink,
-        INVALIDATING, //
-    },
+    core_link,
     ffi,
     peer_device::PeerDevice,
     registration::{
@@ -32,7 +29,7 @@ use crate::{
         RegRef,
         Registration, //
     },
-    stats::STATS,
+    stats::STATS, //
 };
 
 /// The module version as the clients report it (at most 14 characters: the
@@ -59,26 +56,17 @@ pub(crate) struct ClientTable(pub(crate) ffi::peer_memory_client_ex);
 // SAFETY: the table is immutable after build time.
 unsafe impl Sync for ClientTable {}
 
-const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
-    macro_rules! of_mode {
-        ($f:ident) => {
-            Some(if invalidating {
-                $f::<true>
-            } else {
-                $f::<false>
-            })
-        };
-    }
+const fn table<const INV: bool>(name: &str, extended: bool) -> ClientTable {
     let client = ffi::peer_memory_client {
         name: c_array(name, 0),
         version: c_array(VERSION, extended as u8),
-        acquire: of_mode!(acquire),
-        get_pages: of_mode!(get_pages),
-        dma_map: of_mode!(dma_map),
-        dma_unmap: of_mode!(dma_unmap),
-        put_pages: of_mode!(put_pages),
+        acquire: Some(acquire::<INV>),
+        get_pages: Some(get_pages::<INV>),
+        dma_map: Some(dma_map::<INV>),
+        dma_unmap: Some(dma_unmap::<INV>),
+        put_pages: Some(put_pages::<INV>),
         get_page_size: Some(get_page_size),
-        release: of_mode!(release),
+        release: Some(release::<INV>),
     };
     ClientTable(ffi::peer_memory_client_ex {
         client,
@@ -93,14 +81,14 @@ const fn table(name: &str, invalidating: bool, extended: bool) -> ClientTable {
 
 /// `nv_mem` revoking through the core's hook, extended with
 /// `PEER_MEM_INVALIDATE_UNMAPS` (the core never unmaps from its invalidate).
-pub(crate) static NV_MEM_INVALIDATING: ClientTable = table("nv_mem", true, true);
+pub(crate) static NV_MEM_INVALIDATING: ClientTable = table::<true>("nv_mem", true);
 /// `nv_mem` revoking through the core's hook, for old cores
 /// (`peerdirect_support=1`): the core unmaps from inside its invalidate.
-pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table("nv_mem", true, false);
+pub(crate) static NV_MEM_INVALIDATING_LEGACY: ClientTable = table::<true>("nv_mem", false);
 /// `nv_mem` with persistent pages (`persistent_api_support=1`).
-pub(crate) static NV_MEM_PERSISTENT: ClientTable = table("nv_mem", false, false);
+pub(crate) static NV_MEM_PERSISTENT: ClientTable = table::<false>("nv_mem", false);
 /// `nv_mem_nc`: persistent pages, usable for CQ/QP umems too.
-pub(crate) static NV_MEM_NC: ClientTable = table("nv_mem_nc", false, false);
+pub(crate) static NV_MEM_NC: ClientTable = table::<false>("nv_mem_nc", false);
 
 /// A client registered with the core; unregisters on drop, which blocks until
 /// the core released every registration made through it.
@@ -110,7 +98,7 @@ pub(crate) static NV_MEM_NC: ClientTable = table("nv_mem_nc", false, false);
 /// `handle` was returned by `ib_register_peer_memory_client` for `table`.
 pub(crate) struct CoreRegistration {
     handle: NonNull<c_void>,
-    link: Option<&'static CoreLink>,
+    link: Option<&'static core_link::CoreLink>,
 }
 
 // SAFETY: the handle is an opaque token of the core, usable from any thread.
@@ -122,7 +110,7 @@ impl CoreRegistration {
     /// Registers `table`; with `link`, as an invalidating client.
     pub(crate) fn new(
         table: &'static ClientTable,
-        link: Option<&'static CoreLink>,
+        link: Option<&'static core_link::CoreLink>,
     ) -> Result<Self> {
         let slot = link.map_or(core::ptr::null_mut(), |l| l.hook_slot());
         // SAFETY: `table` is 'static; `slot` is NULL or a 'static slot.
@@ -201,7 +189,7 @@ unsafe extern "C" fn acquire<const INV: bool>(
 ) -> c_int {
     // The invalidating client's registrations use `INVALIDATING`, which is
     // ready once registration with the core returned.
-    if client_context.is_null() || (INV && !INVALIDATING.ready()) {
+    if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
         return 0;
     }
     let mode = if INV {
@@ -242,10 +230,8 @@ unsafe extern "C" fn get_pages<const INV: bool>(
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
     let reg = unsafe { called::<INV>(client_context) };
-    match reg.get_pages(addr as u64, size as u64, core_context) {
-        Ok(()) => 0,
-        Err(e) => e.to_errno(),
-    }
+    reg.get_pages(addr as u64, size as u64, core_context)
+        .map_or_else(|e| e.to_errno(), |()| 0)
 }
 
 /// `dma_map`: see [`Registration::dma_map`].

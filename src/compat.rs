@@ -21,16 +21,12 @@ use kernel::{
 
 /// This module's `struct module`.
 pub(crate) fn this_module() -> *mut bindings::module {
+    // The module's own `__this_module`, defined by modpost's `.mod.c`; only
+    // its address is taken.
     #[cfg(MODULE)]
-    {
-        // The module's own `__this_module`, defined by modpost's `.mod.c`;
-        // only its address is taken.
-        &raw mut bindings::__this_module
-    }
+    return &raw mut bindings::__this_module;
     #[cfg(not(MODULE))]
-    {
-        core::ptr::null_mut()
-    }
+    return core::ptr::null_mut();
 }
 
 /// The calling process's id (the thread group's), as the GPU driver keys

@@ -16,7 +16,10 @@ use kernel::ffi::c_void;
 use crate::ffi;
 
 /// The invalidate hook of the (one) invalidating client.
-pub(crate) static INVALIDATING: CoreLink = CoreLink::new();
+pub(crate) static INVALIDATING: CoreLink = CoreLink {
+    handle: Atomic::new(0),
+    hook: UnsafeCell::new(None),
+};
 
 /// The core's invalidate hook for one client.
 ///
@@ -34,14 +37,6 @@ pub(crate) struct CoreLink {
 unsafe impl Sync for CoreLink {}
 
 impl CoreLink {
-    /// An unpublished link.
-    pub(crate) const fn new() -> Self {
-        Self {
-            handle: Atomic::new(0),
-            hook: UnsafeCell::new(None),
-        }
-    }
-
     /// Where the core writes its hook during registration.
     pub(crate) fn hook_slot(&self) -> *mut ffi::invalidate_peer_memory {
         self.hook.get()

@@ -158,21 +158,18 @@ pub(crate) struct PeermemChain {
 // Compile-time layout checks: the x86_64 ABI of every struct this module
 // reads or hands to the core (the C shim asserts the same offsets in C).
 macro_rules! layout {
-    ($t:ty, size $s:expr $(, $f:ident @ $o:expr)* $(,)?) => {
-        const _: () = assert!(core::mem::size_of::<$t>() == $s);
-        $(const _: () = assert!(core::mem::offset_of!($t, $f) == $o);)*
-    };
-    ($t:ty $(, $f:ident @ $o:expr)* $(,)?) => {
+    ($t:ty $(: size $s:expr)? $(, $f:ident @ $o:expr)* $(,)?) => {
+        $(const _: () = assert!(core::mem::size_of::<$t>() == $s);)?
         $(const _: () = assert!(core::mem::offset_of!($t, $f) == $o);)*
     };
 }
 
-layout!(PeermemHop, size 8, id @ 0, kind @ 4, acs_redirect @ 5);
-layout!(PeermemChain, size 144, id @ 0, root @ 4, numa @ 8, nhops @ 12, hops @ 16);
-layout!(peer_memory_client, size 136, name @ 0, version @ 64, acquire @ 80, get_pages @ 88,
+layout!(PeermemHop: size 8, id @ 0, kind @ 4, acs_redirect @ 5);
+layout!(PeermemChain: size 144, id @ 0, root @ 4, numa @ 8, nhops @ 12, hops @ 16);
+layout!(peer_memory_client: size 136, name @ 0, version @ 64, acquire @ 80, get_pages @ 88,
     dma_map @ 96, dma_unmap @ 104, put_pages @ 112, get_page_size @ 120, release @ 128);
-layout!(peer_memory_client_ex, size 152, client @ 0, ex_size @ 136, flags @ 144);
-layout!(nvidia_p2p_page, size 32, physical_address @ 0);
+layout!(peer_memory_client_ex: size 152, client @ 0, ex_size @ 136, flags @ 144);
+layout!(nvidia_p2p_page: size 32, physical_address @ 0);
 layout!(nvidia_p2p_page_table, version @ 0, page_size @ 4, pages @ 8, entries @ 16, gpu_uuid @ 24);
-layout!(nvidia_p2p_dma_mapping, size 40, version @ 0, page_size_type @ 4, entries @ 8,
+layout!(nvidia_p2p_dma_mapping: size 40, version @ 0, page_size_type @ 4, entries @ 8,
     dma_addresses @ 16, private @ 24, pci_dev @ 32);

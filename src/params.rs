@@ -4,9 +4,12 @@
 //! they cannot change afterwards (no sysfs write), and reading a module
 //! parameter is a call per read.
 
-use kernel::sync::atomic::{
-    Atomic,
-    Relaxed, //
+use kernel::{
+    prelude::*,
+    sync::atomic::{
+        Atomic,
+        Relaxed, //
+    },
 };
 
 /// The module's parameters, declared by the C shim (`bindings/helpers.c`) so
@@ -47,21 +50,33 @@ static PATH_ACCOUNTING: Atomic<u32> = Atomic::new(1);
 static ALLOW_UNVERIFIED: Atomic<u32> = Atomic::new(0);
 static PAIR_SLOTS: Atomic<u32> = Atomic::new(PAIRS as u32);
 
-/// The path parameters, checked.
-pub(crate) struct PathParams {
-    pub(crate) policy: u32,
-    pub(crate) accounting: bool,
-    pub(crate) unverified: bool,
-    pub(crate) pair_slots: u32,
-}
-
-/// Publishes the path parameters; called at load, before any client is
-/// registered, so before any registration reads them.
-pub(crate) fn set(p: PathParams) {
-    PATH_POLICY.store(p.policy, Relaxed);
-    PATH_ACCOUNTING.store(u32::from(p.accounting), Relaxed);
-    ALLOW_UNVERIFIED.store(u32::from(p.unverified), Relaxed);
-    PAIR_SLOTS.store(p.pair_slots, Relaxed);
+/// Reads and checks the path parameters and copies them where the
+/// registrations read them; called at load, before any client is registered.
+pub(crate) fn load_path() -> Result {
+    let policy = Param::PathPolicy.value();
+    if !(0..=5).contains(&policy) {
+        pr_err!(
+            "invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n"
+        );
+        return Err(EINVAL);
+    }
+    let accounting = Param::PathAccounting.value();
+    let unverified = Param::AllowUnverifiedPaths.value();
+    if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
+        pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
+        return Err(EINVAL);
+    }
+    let slots = Param::PairTableSlots.value();
+    if !(1..=PAIRS as i32).contains(&slots) {
+        pr_err!("invalid parameter pair_table_slots={slots} (1..{PAIRS})\n");
+        return Err(EINVAL);
+    }
+    // Validated above.
+    PATH_POLICY.store(policy as u32, Relaxed);
+    PATH_ACCOUNTING.store(accounting as u32, Relaxed);
+    ALLOW_UNVERIFIED.store(unverified as u32, Relaxed);
+    PAIR_SLOTS.store(slots as u32, Relaxed);
+    Ok(())
 }
 
 /// The `pair_table_slots` parameter: how many pair slots are used.

@@ -42,18 +42,7 @@ mod registration;
 mod tests;
 mod views;
 
-use client::{
-    CoreRegistration,
-    NV_MEM_INVALIDATING,
-    NV_MEM_INVALIDATING_LEGACY,
-    NV_MEM_NC,
-    NV_MEM_PERSISTENT, //
-};
-use registration::{
-    refs::ReapQueue,
-    RegCache,
-    Registration, //
-};
+use client::CoreRegistration;
 
 module! {
     type: NvidiaPeermem,
@@ -74,27 +63,9 @@ module! {
 #[cfg(MODULE)]
 #[link_section = ".modinfo"]
 #[used(compiler)]
-static MODINFO_VERSION: [u8; MODINFO_VERSION_LEN] = modinfo_version();
+static MODINFO_VERSION: [u8; MODINFO.len()] = *MODINFO.as_bytes().first_chunk().unwrap();
 
-const MODINFO_VERSION_LEN: usize = "version=".len() + env!("PEERMEM_VERSION").len() + 1;
-
-const fn modinfo_version() -> [u8; MODINFO_VERSION_LEN] {
-    let mut out = [0u8; MODINFO_VERSION_LEN];
-    let (k, v) = (b"version=", env!("PEERMEM_VERSION").as_bytes());
-    let mut i = 0;
-    while i < k.len() + v.len() {
-        out[i] = if i < k.len() { k[i] } else { v[i - k.len()] };
-        i += 1;
-    }
-    out
-}
-
-/// A module parameter's value.
-macro_rules! param {
-    ($name:ident) => {
-        params::Param::$name.value()
-    };
-}
+const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 
 /// The module: its core registrations and its files in sysfs.
 ///
@@ -111,81 +82,48 @@ struct NvidiaPeermem {
     // After the clients: no callback can be armed; before the reaper: the
     // callbacks that handed it references have returned.
     _callbacks: Option<p2p::CallbackFence>,
-    _reaper: ReapQueue,
+    _reaper: registration::refs::ReapQueue,
     // After the clients and the reaper: no registration is charged any more.
     _watch: accounting::Watch,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
-    _cache: RegCache,
-}
-
-/// Reads and checks the path parameters and copies them where the
-/// registrations read them; called at load, before any client is registered.
-fn path_parameters() -> Result {
-    let policy = param!(PathPolicy);
-    if !(0..=5).contains(&policy) {
-        pr_err!(
-            "invalid parameter path_policy={policy} (0 to allow every path, 1..5 for PIX..SYS)\n"
-        );
-        return Err(EINVAL);
-    }
-    let (accounting, unverified) = (param!(PathAccounting), param!(AllowUnverifiedPaths));
-    if !(0..=1).contains(&accounting) || !(0..=1).contains(&unverified) {
-        pr_err!("invalid parameters path_accounting={accounting} allow_unverified_paths={unverified} (each 0 or 1)\n");
-        return Err(EINVAL);
-    }
-    let slots = param!(PairTableSlots);
-    if !(1..=params::PAIRS as i32).contains(&slots) {
-        pr_err!(
-            "invalid parameter pair_table_slots={slots} (1..{})\n",
-            params::PAIRS
-        );
-        return Err(EINVAL);
-    }
-    // Validated above.
-    params::set(params::PathParams {
-        policy: policy as u32,
-        accounting: accounting == 1,
-        unverified: unverified == 1,
-        pair_slots: slots as u32,
-    });
-    Ok(())
+    _cache: registration::RegCache,
 }
 
 /// Registers the clients of the mode the parameters chose; returns them and
 /// their description for the log.
 fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
-    let mut clients = KVec::new();
-    if persistent {
-        clients.push(CoreRegistration::new(&NV_MEM_PERSISTENT, None)?, GFP_KERNEL)?;
-        return Ok((clients, "nv_mem (persistent)"));
-    }
-    let (table, text) = match legacy {
-        true => (
-            &NV_MEM_INVALIDATING_LEGACY,
+    let (table, text) = match (persistent, legacy) {
+        (true, _) => (&client::NV_MEM_PERSISTENT, "nv_mem (persistent)"),
+        (false, true) => (
+            &client::NV_MEM_INVALIDATING_LEGACY,
             "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
         ),
-        false => (
-            &NV_MEM_INVALIDATING,
+        (false, false) => (
+            &client::NV_MEM_INVALIDATING,
             "nv_mem (invalidating), nv_mem_nc (persistent)",
         ),
     };
-    let link = Some(&core_link::INVALIDATING);
+    let link = (!persistent).then_some(&core_link::INVALIDATING);
+    let mut clients = KVec::new();
     clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
-    clients.push(CoreRegistration::new(&NV_MEM_NC, None)?, GFP_KERNEL)?;
+    if !persistent {
+        clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
+    }
     Ok((clients, text))
 }
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
-        let (persistent, legacy) = (param!(PersistentApiSupport), param!(PeerdirectSupport));
+        let persistent = params::Param::PersistentApiSupport.value();
+        let legacy = params::Param::PeerdirectSupport.value();
         if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
             pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
             return Err(EINVAL);
         }
-        path_parameters()?;
-        let cache = RegCache::new::<Registration>()?;
-        let reaper = ReapQueue::new()?;
+        params::load_path()?;
+        let cache = registration::RegCache::new::<registration::Registration>()?;
+        let reaper = registration::refs::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;

@@ -122,11 +122,6 @@ counters! {
 pub(crate) static STATS: Stats = Stats::new();
 
 impl Stats {
-    /// Counts a failure.
-    pub(crate) fn fail(&self, cause: Cause) {
-        self.failures[cause as usize].add(1, Relaxed);
-    }
-
     /// Writes every counter as a `name value` line.
     pub(crate) fn show(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Registrations the core holds: acquired and not yet released.
@@ -169,15 +164,12 @@ impl kernel::fmt::Display for Bdf {
 
 /// Where a refusal happened, as far as known: the GPU's and the HCA's PCI
 /// addresses (0: not known at that point, e.g. the HCA before `dma_map`).
-#[derive(Clone, Copy)]
+///
+/// `At::default()`: neither is known.
+#[derive(Clone, Copy, Default)]
 pub(crate) struct At {
     pub(crate) gpu: u32,
     pub(crate) hca: u32,
-}
-
-impl At {
-    /// Neither is known.
-    pub(crate) const UNKNOWN: At = At { gpu: 0, hca: 0 };
 }
 
 /// The kernel's name of an errno, the same on every kernel (not depending on
@@ -216,7 +208,7 @@ macro_rules! fail {
         $crate::stats::failed($at, $cause, $err, ::core::format_args!($($fmt)*))
     };
     ($cause:expr, $err:expr, $($fmt:tt)*) => {
-        $crate::stats::fail!(at $crate::stats::At::UNKNOWN; $cause, $err, $($fmt)*)
+        $crate::stats::fail!(at $crate::stats::At::default(); $cause, $err, $($fmt)*)
     };
 }
 pub(crate) use fail;
@@ -231,7 +223,7 @@ pub(crate) fn failed(
     err: kernel::error::Error,
     what: fmt::Arguments<'_>,
 ) -> kernel::error::Error {
-    STATS.fail(cause);
+    STATS.failures[cause as usize].add(1, Relaxed);
     if crate::ffi::peermem_ratelimit() {
         let tgid = crate::compat::current_tgid();
         let comm = crate::compat::comm_of(tgid);
