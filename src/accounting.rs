@@ -538,12 +538,9 @@ pub(crate) fn show_processes(f: &mut fmt::Formatter<'_>) -> fmt::Result {
         |t| &t.procs,
         |p| p.live != 0,
         |f, p| {
-            let comm = crate::compat::comm_of(p.tgid);
-            let end = comm.iter().position(|&b| b == 0).unwrap_or(16);
-            let name = core::str::from_utf8(&comm[..end]).unwrap_or("?");
             write!(f, "tgid={} comm=", p.tgid)?;
             // No spaces: one record per line, fields split by spaces.
-            for c in name.chars() {
+            for c in crate::compat::Comm::of(p.tgid).name().chars() {
                 write!(f, "{}", if c.is_whitespace() { '_' } else { c })?;
             }
             writeln!(f, " live={} pinned_bytes={}", p.live, p.pinned)

@@ -44,12 +44,23 @@ pub(crate) fn current_ids() -> (core::num::NonZeroU32, u32) {
     (me, task.group_leader().pid() as u32)
 }
 
-/// The name of the process `tgid` (as [`current_tgid`] gives it), all zero
-/// when it has exited.
-pub(crate) fn comm_of(tgid: u32) -> [u8; 16] {
-    let mut comm = [0; 16];
-    crate::ffi::peermem_comm_of(tgid, &mut comm);
-    comm
+/// The name of a process, all zero once it has exited.
+pub(crate) struct Comm([u8; 16]);
+
+impl Comm {
+    /// The name of the process `tgid` (as [`current_tgid`] gives it).
+    pub(crate) fn of(tgid: u32) -> Self {
+        let mut comm = [0; 16];
+        crate::ffi::peermem_comm_of(tgid, &mut comm);
+        Self(comm)
+    }
+
+    /// The name up to its NUL (empty once the process has exited; `?` if it
+    /// is not UTF-8).
+    pub(crate) fn name(&self) -> &str {
+        let end = self.0.iter().position(|&b| b == 0).unwrap_or(self.0.len());
+        core::str::from_utf8(&self.0[..end]).unwrap_or("?")
+    }
 }
 
 /// A process as a log line names it: `<tgid> (<name>)`, the name empty once
@@ -58,10 +69,7 @@ pub(crate) struct Process(pub(crate) u32);
 
 impl kernel::fmt::Display for Process {
     fn fmt(&self, f: &mut kernel::fmt::Formatter<'_>) -> kernel::fmt::Result {
-        let comm = comm_of(self.0);
-        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-        let name = core::str::from_utf8(&comm[..end]).unwrap_or("?");
-        write!(f, "{} ({name})", self.0)
+        write!(f, "{} ({})", self.0, Comm::of(self.0).name())
     }
 }
 

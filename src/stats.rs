@@ -226,11 +226,10 @@ pub(crate) fn failed(
     STATS.failures[cause as usize].add(1, Relaxed);
     if crate::ffi::peermem_ratelimit() {
         let tgid = crate::compat::current_tgid();
-        let comm = crate::compat::comm_of(tgid);
-        let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-        let comm = core::str::from_utf8(&comm[..end]).unwrap_or("?");
+        let comm = crate::compat::Comm::of(tgid);
         kernel::pr_err!(
-            "refused pid={tgid} comm={comm} gpu={} hca={} errno={}: {what}\n",
+            "refused pid={tgid} comm={} gpu={} hca={} errno={}: {what}\n",
+            comm.name(),
             Bdf(at.gpu),
             Bdf(at.hca),
             errno_name(err)
