@@ -51,10 +51,12 @@ impl WaitQueue {
 impl Drop for WaitQueue {
     fn drop(&mut self) {
         let raw = QUEUE.xchg(ptr::null_mut(), Acquire);
-        // SAFETY: allocated by `new` and freed once (type invariants). No
-        // registration is left (each holds a module reference, and the module
-        // is unloading), so nobody waits on it or wakes it any more.
-        drop(unsafe { KBox::from_raw(raw) });
+        if !raw.is_null() {
+            // SAFETY: allocated by `new` and freed once. No registration is
+            // left (each holds a module reference, and the module is
+            // unloading), so nobody waits on it or wakes it any more.
+            drop(unsafe { KBox::from_raw(raw) });
+        }
     }
 }
 
