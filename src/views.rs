@@ -12,10 +12,7 @@ use core::fmt::{
     Write, //
 };
 
-use kernel::{
-    ffi::c_uint,
-    prelude::*, //
-};
+use kernel::prelude::*;
 
 use crate::{
     accounting,
@@ -69,7 +66,7 @@ impl Write for Text {
 /// `buf` must be valid for writes of `count` bytes.
 #[no_mangle]
 unsafe extern "C" fn peermem_view_read(
-    which: c_uint,
+    which: kernel::ffi::c_uint,
     buf: *mut u8,
     off: i64,
     count: usize,
