@@ -50,9 +50,16 @@ static PATH_ACCOUNTING: Atomic<u32> = Atomic::new(1);
 static ALLOW_UNVERIFIED: Atomic<u32> = Atomic::new(0);
 static PAIR_SLOTS: Atomic<u32> = Atomic::new(PAIRS as u32);
 
-/// Reads and checks the path parameters and copies them where the
-/// registrations read them; called at load, before any client is registered.
-pub(crate) fn load_path() -> Result {
+/// Reads and checks every parameter and copies the path parameters where
+/// the registrations read them; called at load, before any client is
+/// registered. Returns `persistent_api_support` and `peerdirect_support`.
+pub(crate) fn load() -> Result<(bool, bool)> {
+    let persistent = Param::PersistentApiSupport.value();
+    let legacy = Param::PeerdirectSupport.value();
+    if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
+        pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
+        return Err(EINVAL);
+    }
     let policy = Param::PathPolicy.value();
     if !(0..=5).contains(&policy) {
         pr_err!(
@@ -76,7 +83,7 @@ pub(crate) fn load_path() -> Result {
     PATH_ACCOUNTING.store(accounting as u32, Relaxed);
     ALLOW_UNVERIFIED.store(unverified as u32, Relaxed);
     PAIR_SLOTS.store(slots as u32, Relaxed);
-    Ok(())
+    Ok((persistent == 1, legacy == 1))
 }
 
 /// The `pair_table_slots` parameter: how many pair slots are used.

@@ -115,24 +115,18 @@ fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
-        let persistent = params::Param::PersistentApiSupport.value();
-        let legacy = params::Param::PeerdirectSupport.value();
-        if !(0..=1).contains(&persistent) || !(0..=1).contains(&legacy) {
-            pr_err!("invalid parameters persistent_api_support={persistent} peerdirect_support={legacy} (each 0 or 1)\n");
-            return Err(EINVAL);
-        }
-        params::load_path()?;
+        let (persistent, legacy) = params::load()?;
         let cache = registration::RegCache::new::<registration::Registration>()?;
         let reaper = registration::refs::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;
-        let (clients, text) = clients(persistent == 1, legacy == 1)?;
+        let (clients, text) = clients(persistent, legacy)?;
         pr_info!("version {} loaded: {text}\n", env!("PEERMEM_VERSION"));
         Ok(Self {
             _views: views,
             _clients: clients,
-            _callbacks: (persistent != 1).then(p2p::CallbackFence::new),
+            _callbacks: (!persistent).then(p2p::CallbackFence::new),
             _reaper: reaper,
             _watch: watch,
             _waitq: waitq,
