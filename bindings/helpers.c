@@ -6,7 +6,10 @@
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/debugfs.h>
 #include <linux/device.h>
+#include <linux/dmi.h>
+#include <linux/fs.h>
 #include <linux/iommu.h>
 #include <linux/moduleparam.h>
 #include <linux/dynamic_debug.h>
@@ -20,6 +23,9 @@
 #include <linux/stddef.h>
 #include <linux/sysfs.h>
 #include <linux/workqueue.h>
+#ifdef CONFIG_X86
+#include <asm/hypervisor.h>
+#endif
 #include "nv-p2p.h"
 #include "peer_mem.h"
 
@@ -61,7 +67,9 @@ struct peermem_chain {
 };
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
-struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip);
+struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy);
+unsigned int peermem_platform(u64 gpu_phys);
+int peermem_driver_override(void);
 void peermem_gate_candidate_put(struct pci_dev *pdev);
 bool peermem_ratelimit(void);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
@@ -284,8 +292,18 @@ static const struct attribute_group peermem_views_group = {
 	.bin_attrs = peermem_views,
 };
 
+/*
+ * Tests present the guest as bare metal (1) or a virtual machine (2) to the
+ * topology rule (peermem_passthrough), which QEMU under TCG cannot show to
+ * RM's detection; 0 [default]: observe. debugfs, root only.
+ */
+static u32 peermem_present_vm;
+static struct dentry *peermem_debugfs;
+
 int peermem_views_add(void)
 {
+	peermem_debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
+	debugfs_create_u32("present_vm", 0600, peermem_debugfs, &peermem_present_vm);
 	return sysfs_create_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
 }
 
@@ -293,6 +311,7 @@ int peermem_views_add(void)
 void peermem_views_remove(void)
 {
 	sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	debugfs_remove_recursive(peermem_debugfs);
 }
 
 /* The exact-size cache of registration objects (src/reg_ref.rs). */
@@ -428,7 +447,7 @@ static bool peermem_rdma_class(struct pci_dev *pdev)
 	       pdev->class >> 8 == PEERMEM_CLASS_INFINIBAND;
 }
 
-struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip)
+struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy)
 {
 	struct resource *bar;
 	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev;
@@ -443,8 +462,10 @@ struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int ski
 			    peermem_common_bridge(gpu, pdev) != near)
 				continue;
 			/* Its driver stays while the GPU driver maps for it. */
-			if (!device_trylock(&pdev->dev))
+			if (!device_trylock(&pdev->dev)) {
+				*busy = true;
 				continue;
+			}
 			if (peermem_dma_capable(pdev) && skip-- == 0) {
 				pci_dev_put(gpu);
 				return pdev;	/* for_each_pci_dev's reference */
@@ -460,6 +481,120 @@ void peermem_gate_candidate_put(struct pci_dev *pdev)
 {
 	device_unlock(&pdev->dev);
 	pci_dev_put(pdev);
+}
+
+/*
+ * What the GPU driver's topology rule reads of the platform (src/path.rs
+ * Platform), observed as RM observes it (docs/design.md, "The topology
+ * gate"). Rust cannot reach x86_hyper_type's header, dmi_walk's callback
+ * type or the PCI device walk.
+ */
+#define PEERMEM_PASSTHROUGH	1
+#define PEERMEM_FLAGGED_CHIPSET	2
+
+#ifdef CONFIG_ARM64
+/* RM on arm64: SMBIOS type 0, BIOS characteristics extension byte 2, bit 4. */
+static void peermem_dmi_vm(const struct dmi_header *dm, void *vm)
+{
+	if (dm->type == 0 && dm->length > 0x13 && (((const u8 *)dm)[0x13] & BIT(4)))
+		*(bool *)vm = true;
+}
+#endif
+
+/* RM's IS_PASSTHRU: a hypervisor it knows (hypervisor.c), the GPU no vGPU. */
+static bool peermem_passthrough(void)
+{
+	bool vm = false;
+
+	if (peermem_present_vm)
+		return peermem_present_vm == 2;
+#ifdef CONFIG_X86
+	switch (x86_hyper_type) {
+	case X86_HYPER_KVM:
+	case X86_HYPER_XEN_HVM:
+	case X86_HYPER_XEN_PV:
+	case X86_HYPER_MS_HYPERV:
+	case X86_HYPER_VMWARE:
+		vm = true;
+		break;
+	default:
+		break;
+	}
+#elif defined(CONFIG_ARM64)
+	dmi_walk(peermem_dmi_vm, &vm);
+#endif
+	return vm;
+}
+
+/*
+ * Root complexes RM flags as unable to forward peer-to-peer traffic
+ * (_checkP2pChipsetSupport, osinit.c, found by objClInitPcieChipset in the
+ * GPU's PCI domain): NVIDIA Grace (TH500), Ampere Altra and AmpereOne.
+ */
+static const struct pci_device_id peermem_flagged_chipsets[] = {
+	{ PCI_VDEVICE(NVIDIA, 0x22b1) }, { PCI_VDEVICE(NVIDIA, 0x22b2) },
+	{ PCI_VDEVICE(NVIDIA, 0x22b3) }, { PCI_VDEVICE(NVIDIA, 0x22b4) },
+	{ PCI_VDEVICE(NVIDIA, 0x22b8) }, { PCI_VDEVICE(NVIDIA, 0x22b9) },
+	{ PCI_DEVICE(0x1def, 0xe000) }, { PCI_DEVICE(0x1def, 0xe00d) },
+	{ PCI_DEVICE(0x1def, 0xe00e) }, { PCI_DEVICE(0x1def, 0xe010) },
+	{ PCI_DEVICE(0x1def, 0xe100) }, { PCI_DEVICE(0x1def, 0xe110) },
+	{ PCI_DEVICE(0x1def, 0xe200) }, { PCI_DEVICE(0x1def, 0xe201) },
+	{ PCI_DEVICE(0x1def, 0xe202) }, { PCI_DEVICE(0x1def, 0xe203) },
+	{ PCI_DEVICE(0x1def, 0xe204) }, { PCI_DEVICE(0x1def, 0xe205) },
+	{ PCI_DEVICE(0x1def, 0xe206) }, { PCI_DEVICE(0x1def, 0xe207) },
+	{ }
+};
+
+unsigned int peermem_platform(u64 gpu_phys)
+{
+	struct resource *bar;
+	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev = NULL;
+	unsigned int seen = peermem_passthrough() ? PEERMEM_PASSTHROUGH : 0;
+
+	if (!gpu)
+		return seen;
+	for_each_pci_dev(pdev) {
+		if (pci_domain_nr(pdev->bus) == pci_domain_nr(gpu->bus) &&
+		    pci_match_id(peermem_flagged_chipsets, pdev)) {
+			seen |= PEERMEM_FLAGGED_CHIPSET;
+			pci_dev_put(pdev);
+			break;
+		}
+	}
+	pci_dev_put(gpu);
+	return seen;
+}
+
+/*
+ * NVreg_GrdmaPciTopoCheckOverride: a module parameter of nvidia.ko without a
+ * sysfs file and not exported; the driver shows it in its params file
+ * (nv-procfs.c), the one place it can be read. -1 if it cannot.
+ */
+int peermem_driver_override(void)
+{
+	static const char key[] = "\nGrdmaPciTopoCheckOverride: ";
+	const size_t size = 16384;
+	struct file *f = filp_open("/proc/driver/nvidia/params", O_RDONLY, 0);
+	loff_t pos = 0;
+	ssize_t n, len = 1;
+	char *buf, *at;
+	unsigned int v;
+	int ret = -1;
+
+	if (IS_ERR(f))
+		return -1;
+	buf = kzalloc(size, GFP_KERNEL);
+	if (buf) {
+		buf[0] = '\n';	/* the key's newline, for the first line */
+		while (len < size - 1 && (n = kernel_read(f, buf + len, size - 1 - len, &pos)) > 0)
+			len += n;
+		at = strstr(buf, key);
+		if (at && sscanf(at + sizeof(key) - 1, "%u", &v) == 1)
+			ret = min(v, (unsigned int)INT_MAX);
+		kfree(buf);
+	}
+	filp_close(f, NULL);
+	return ret;
 }
 
 bool peermem_ratelimit(void)

@@ -20,6 +20,7 @@ use crate::{
     path::{
         Class,
         Path,
+        Platform,
         Verdict, //
     },
     stats::{
@@ -85,9 +86,15 @@ struct GpuRec {
     pinned: u64,
     max_pinned: u64,
     /// The GPU driver's topology verdicts for this GPU's peers below a
-    /// common bridge and not, once learnt.
-    gate: Option<(Verdict, Verdict)>,
-    gate_tries: u32,
+    /// common bridge and not.
+    gate: (Verdict, Verdict),
+    /// The last failed question's errno and the questions failed in a row;
+    /// the registrations to let pass before asking again.
+    gate_err: i32,
+    gate_fails: u32,
+    gate_skip: u32,
+    /// The platform observed when the driver could not be asked.
+    platform: Platform,
 }
 
 /// One process with live registrations; free while `live` is 0.
@@ -136,8 +143,15 @@ const FREE_GPU: GpuRec = GpuRec {
     live: 0,
     pinned: 0,
     max_pinned: 0,
-    gate: None,
-    gate_tries: 0,
+    gate: (Verdict::Unknown, Verdict::Unknown),
+    gate_err: 0,
+    gate_fails: 0,
+    gate_skip: 0,
+    platform: Platform {
+        over: 0,
+        passthrough: false,
+        flagged_chipset: false,
+    },
 };
 
 const FREE_PROC: ProcRec = ProcRec {
@@ -163,9 +177,14 @@ global_lock! {
 pub(crate) struct Gpu {
     pub(crate) slot: usize,
     pub(crate) id: u32,
+    /// The first byte of its BAR: which GPU the slot held when read.
+    start: u64,
     /// The GPU driver's topology verdicts for this GPU's peers below a
-    /// common bridge and not, if learnt.
-    pub(crate) gate: Option<(Verdict, Verdict)>,
+    /// common bridge and not, and the errno of the last failed question.
+    pub(crate) gate: (Verdict, Verdict),
+    pub(crate) gate_err: i32,
+    /// The platform observed, where a verdict is [`Verdict::Unverified`].
+    pub(crate) platform: Platform,
 }
 
 fn live_gpu(t: &Tables, slot: usize) -> Option<Gpu> {
@@ -173,7 +192,10 @@ fn live_gpu(t: &Tables, slot: usize) -> Option<Gpu> {
     (g.bar_start != 0 && !g.retired).then_some(Gpu {
         slot,
         id: g.id,
+        start: g.bar_start,
         gate: g.gate,
+        gate_err: g.gate_err,
+        platform: g.platform,
     })
 }
 
@@ -231,26 +253,62 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
     Some(Gpu {
         slot,
         id,
-        gate: None,
+        start,
+        gate: FREE_GPU.gate,
+        gate_err: 0,
+        platform: FREE_GPU.platform,
     })
 }
 
-/// Counts one more attempt to learn `gpu`'s topology verdicts; returns the
-/// count.
-pub(crate) fn gate_attempt(gpu: Gpu) -> u32 {
+/// Whether `gpu`'s topology verdicts are to be asked now: one is not
+/// learnt, and the registrations to let pass after failed questions have.
+pub(crate) fn gate_due(gpu: Gpu) -> bool {
     let mut t = TABLES.lock();
-    t.gpus[gpu.slot].gate_tries += 1;
-    t.gpus[gpu.slot].gate_tries
+    let g = &mut t.gpus[gpu.slot];
+    let learnt = g.gate.0 != Verdict::Unknown && g.gate.1 != Verdict::Unknown;
+    if g.bar_start != gpu.start || learnt {
+        return false;
+    }
+    if g.gate_skip > 0 {
+        g.gate_skip -= 1;
+        return false;
+    }
+    true
 }
 
-/// Records the GPU driver's topology verdicts for `gpu`'s peers; what was not
-/// asked counts as [`Verdict::Unverified`] from now on.
-pub(crate) fn set_gate(gpu: Gpu, near: Verdict, far: Verdict) {
-    let known = |v| match v {
-        Verdict::Unknown => Verdict::Unverified,
-        v => v,
-    };
-    TABLES.lock().gpus[gpu.slot].gate = Some((known(near), known(far)));
+/// Records what a question about `gpu`'s topology verdicts learnt: the
+/// verdicts it got (`Unknown` leaves one as it was), the platform observed
+/// where the driver could not be asked, and, with `errno`, that it failed
+/// on the way; after `n` failures in a row the next `2^(n-1) - 1`
+/// registrations (at most 1023) do not ask.
+pub(crate) fn gate_learnt(
+    gpu: Gpu,
+    near: Verdict,
+    far: Verdict,
+    seen: Option<Platform>,
+    errno: Option<i32>,
+) {
+    let mut t = TABLES.lock();
+    let g = &mut t.gpus[gpu.slot];
+    if g.bar_start != gpu.start {
+        return;
+    }
+    if let Some(p) = seen {
+        g.platform = p;
+    }
+    for (v, new) in [(&mut g.gate.0, near), (&mut g.gate.1, far)] {
+        if *v == Verdict::Unknown {
+            *v = new;
+        }
+    }
+    match errno {
+        Some(e) => {
+            g.gate_err = e;
+            g.gate_fails = g.gate_fails.saturating_add(1);
+            g.gate_skip = (1u32 << (g.gate_fails - 1).min(10)) - 1;
+        }
+        None => g.gate_fails = 0,
+    }
 }
 
 /// A pair's slot and what is known of its path.
@@ -298,7 +356,7 @@ pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(P
 /// bound while it maps for it), and so is its GPU record once nothing is
 /// charged to it (a rebind may bring another BAR, whose first registration
 /// records it anew).
-fn forget_device(id: u32) {
+pub(crate) fn forget_device(id: u32) {
     let mut t = TABLES.lock();
     for p in t.pairs.iter_mut().filter(|p| p.gpu == id || p.peer == id) {
         *p = FREE_PAIR;
@@ -365,9 +423,14 @@ fn proc_slot(t: &Tables, tgid: u32) -> Option<usize> {
 }
 
 /// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
-/// process `tgid`.
-pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Charge {
+/// process `tgid`; `None` when `gpu`'s record was freed since it was read
+/// (its device unbound, the slot maybe another GPU's now): nothing to count
+/// it on.
+pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Option<Charge> {
     let mut t = TABLES.lock();
+    if t.gpus[gpu.slot].bar_start != gpu.start {
+        return None;
+    }
     if let Some(pair) = pair {
         t.pairs[pair.slot].registrations += 1;
     }
@@ -381,10 +444,10 @@ pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Cha
         (p.tgid, p.live, p.pinned) = (tgid, p.live + 1, p.pinned + bytes);
     }
     // INVARIANT: what `release` subtracts was added here.
-    Charge {
+    Some(Charge {
         gpu: core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16),
         proc_slot: slot.map_or(NO_PROC, |i| i as u16),
-    }
+    })
 }
 
 impl Charge {
@@ -514,7 +577,7 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
         |t| &t.gpus,
         |g| g.bar_start != 0 && !g.retired,
         |f, g| {
-            let (near, far) = g.gate.unwrap_or((Verdict::Unknown, Verdict::Unknown));
+            let (near, far) = g.gate;
             writeln!(
             f,
             "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={}",

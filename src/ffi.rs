@@ -114,12 +114,21 @@ unsafe extern "C" {
     /// upstream bridge in common with the GPU; network and InfiniBand
     /// devices first, then any other but displays, storage and USB. Locked
     /// (so that it keeps its driver) and referenced, for
-    /// [`peermem_gate_candidate_put`]; or NULL.
+    /// [`peermem_gate_candidate_put`]; or NULL, with `busy` set when a
+    /// device of the kind was passed over for its lock being held.
     pub(crate) safe fn peermem_gate_candidate(
         gpu_phys: u64,
         near: bool,
         skip: c_uint,
+        busy: &mut bool,
     ) -> *mut pci_dev;
+    /// What the GPU driver's topology rule reads of the platform, for the
+    /// GPU whose BAR holds `gpu_phys`: [`PEERMEM_PASSTHROUGH`],
+    /// [`PEERMEM_FLAGGED_CHIPSET`].
+    pub(crate) safe fn peermem_platform(gpu_phys: u64) -> c_uint;
+    /// `NVreg_GrdmaPciTopoCheckOverride` as the GPU driver shows it in
+    /// `/proc/driver/nvidia/params`; -1 when it cannot be read.
+    pub(crate) safe fn peermem_driver_override() -> c_int;
     /// Unlocks and drops a device from [`peermem_gate_candidate`].
     pub(crate) fn peermem_gate_candidate_put(dev: *mut pci_dev);
     /// Whether a warning about user-triggered events may be printed now
@@ -133,6 +142,14 @@ unsafe extern "C" {
     /// Removes them; returns once no read of one runs.
     pub(crate) safe fn peermem_views_remove();
 }
+
+/// [`peermem_platform`]: the GPU is passed through to a virtual machine as
+/// the GPU driver sees it (a hypervisor it knows: KVM, Xen, Hyper-V,
+/// VMware).
+pub(crate) const PEERMEM_PASSTHROUGH: c_uint = 1;
+/// [`peermem_platform`]: the GPU's PCI domain holds a root complex the GPU
+/// driver flags as unable to forward peer-to-peer traffic.
+pub(crate) const PEERMEM_FLAGGED_CHIPSET: c_uint = 2;
 
 /// `struct peermem_hop` of the C shim.
 #[repr(C)]

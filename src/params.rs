@@ -49,6 +49,7 @@ static PATH_POLICY: Atomic<u32> = Atomic::new(0);
 static PATH_ACCOUNTING: Atomic<u32> = Atomic::new(1);
 static ALLOW_UNVERIFIED: Atomic<u32> = Atomic::new(0);
 static PAIR_SLOTS: Atomic<u32> = Atomic::new(PAIRS as u32);
+static DRIVER_OVERRIDE: Atomic<u32> = Atomic::new(0);
 
 /// Reads and checks every parameter and copies the path parameters where
 /// the registrations read them; called at load, before any client is
@@ -83,7 +84,23 @@ pub(crate) fn load() -> Result<(bool, bool)> {
     PATH_ACCOUNTING.store(accounting as u32, Relaxed);
     ALLOW_UNVERIFIED.store(unverified as u32, Relaxed);
     PAIR_SLOTS.store(slots as u32, Relaxed);
+    load_driver_override();
     Ok((persistent == 1, legacy == 1))
+}
+
+/// Reads the GPU driver's `NVreg_GrdmaPciTopoCheckOverride`, which its
+/// topology rule reads first (fact 5); fixed while the driver is loaded.
+fn load_driver_override() {
+    let over = crate::ffi::peermem_driver_override();
+    if over < 0 {
+        pr_warn!("NVreg_GrdmaPciTopoCheckOverride could not be read from /proc/driver/nvidia/params: taken as 0 (the GPU driver's default) where the driver cannot be asked about a path\n");
+    }
+    DRIVER_OVERRIDE.store(over.max(0) as u32, Relaxed);
+}
+
+/// The GPU driver's `NVreg_GrdmaPciTopoCheckOverride`, as read at load.
+pub(crate) fn driver_override() -> u32 {
+    DRIVER_OVERRIDE.load(Relaxed)
 }
 
 /// The `pair_table_slots` parameter: how many pair slots are used.

@@ -152,15 +152,43 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
 /// answers for one kind of a GPU's peers, as this module learnt it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {
-    /// Not asked yet.
+    /// Not learnt yet (not asked, or the last question failed on the way).
     Unknown = 0,
     /// The driver maps for such peers.
     Open = 1,
     /// The driver refuses them (`-ENOTSUPP`).
     Refused = 2,
-    /// The driver could not be asked (persistent pins refused, as under MIG
-    /// or vGPU, or no such peer to ask about).
+    /// The driver cannot be asked (persistent pins refused, as under MIG or
+    /// vGPU, or no device of that kind to ask about): the rule is applied
+    /// to what the module observes of the platform.
     Unverified = 3,
+}
+
+/// What the driver's rule reads that is not the pair's own (fact 5,
+/// `nv_grdma_pci_topology_supported`), as the module observes it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Platform {
+    /// `NVreg_GrdmaPciTopoCheckOverride`: 1 allows every peer, 2 refuses
+    /// every peer, anything else leaves the decision to the rule.
+    pub(crate) over: u32,
+    /// The GPU is passed through to a virtual machine (RM's `IS_PASSTHRU`).
+    pub(crate) passthrough: bool,
+    /// The GPU's PCI domain holds a root complex RM flags as unable to
+    /// forward peer-to-peer traffic (`NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET`).
+    pub(crate) flagged_chipset: bool,
+}
+
+impl Platform {
+    /// The driver's rule for a non-coherent GPU (a coherent one skips it)
+    /// and a peer that does (`shares_bridge`) or does not sit below an
+    /// upstream bridge in common with it, in the driver's order.
+    pub(crate) fn allows(self, shares_bridge: bool) -> bool {
+        match self.over {
+            1 => true,
+            2 => false,
+            _ => self.passthrough || !self.flagged_chipset || shares_bridge,
+        }
+    }
 }
 
 /// The topology gate as the invalidating client applies it for the GPU
@@ -169,34 +197,38 @@ pub(crate) enum Verdict {
 pub(crate) enum Gate {
     /// The driver would map for this peer.
     Open,
-    /// The driver refuses this peer.
+    /// The driver refuses this peer: it said so for a peer of this kind.
     Refused,
-    /// The driver's verdict is not known and the pair shares no bridge.
-    Unverified,
+    /// The driver's rule refuses this peer on the platform observed (the
+    /// driver could not be asked).
+    Observed,
+    /// The driver's verdict is not learnt yet: the last question failed
+    /// (and is asked again).
+    Pending,
 }
 
 /// The gate for a peer that does (`shares_bridge`) or does not sit below a
 /// bridge in common with the GPU, given the driver's verdicts for the GPU's
-/// peers of each kind (`near`, `far`).
+/// peers of each kind (`near`, `far`) and the platform observed.
 ///
 /// The driver decides per GPU and peer only through a common upstream bridge
 /// (`nv_grdma_pci_topology_supported`, nv-pci.c: coherent platform, the
 /// override, passthrough and the chipset flag are the GPU's; then
-/// `nv_pci_has_common_pci_switch`), so one peer of each kind answers for all.
-/// A pair below a common bridge passes unless the driver refuses every peer
-/// (`NVreg_GrdmaPciTopoCheckOverride=2`); any other pair needs the driver's
-/// yes, or the operator's (`allow_unverified`).
+/// `nv_pci_has_common_pci_switch`), so one peer of each kind answers for
+/// all. Where the driver cannot be asked, its rule is applied to `platform`;
+/// `allow_unverified` (the operator's word) maps there whatever it says.
 pub(crate) fn gate(
     shares_bridge: bool,
     near: Verdict,
     far: Verdict,
+    platform: Platform,
     allow_unverified: bool,
 ) -> Gate {
-    let verdict = if shares_bridge { near } else { far };
-    match verdict {
-        Verdict::Refused => Gate::Refused,
+    match if shares_bridge { near } else { far } {
         Verdict::Open => Gate::Open,
-        _ if shares_bridge || allow_unverified => Gate::Open,
-        _ => Gate::Unverified,
+        Verdict::Refused => Gate::Refused,
+        Verdict::Unknown => Gate::Pending,
+        Verdict::Unverified if allow_unverified || platform.allows(shares_bridge) => Gate::Open,
+        Verdict::Unverified => Gate::Observed,
     }
 }

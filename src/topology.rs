@@ -21,6 +21,7 @@ use crate::{
         Gate,
         Hop,
         HopKind,
+        Platform,
         Verdict, //
     },
     peer_device::PeerDevice,
@@ -47,6 +48,8 @@ use kernel::sync::atomic::Relaxed;
 /// the topology gate hold for it all the same.
 pub(crate) struct Route {
     gpu: Option<Gpu>,
+    /// The bus address of the route's first page.
+    phys: u64,
     /// The GPU's PCI address (0: not found).
     gpu_id: u32,
     peer: u32,
@@ -125,6 +128,7 @@ impl Route {
         match accounting::known_pair(phys, peer_id) {
             Some((gpu, pair, class)) => Self {
                 gpu: Some(gpu),
+                phys,
                 gpu_id: gpu.id,
                 peer: peer_id,
                 class: Some(class),
@@ -157,6 +161,7 @@ impl Route {
         });
         Self {
             gpu,
+            phys,
             gpu_id: found.map_or(gpu.map_or(0, |g| g.id), |_| chain.id),
             peer: peer_id,
             class: path.map(|(p, _)| p.class),
@@ -204,12 +209,13 @@ impl Route {
     /// driver, whose lock it must not take under the core's `mapping_lock`.
     /// A route without a pair record counts as sharing no bridge.
     pub(crate) fn gate(&self) -> Gate {
-        // A GPU without a record (its table full) has no verdict learnt.
-        let (near, far) = self
-            .gpu
-            .and_then(|g| g.gate)
-            .unwrap_or((Verdict::Unknown, Verdict::Unknown));
-        path::gate(self.shares_bridge, near, far, params::unverified_allowed())
+        // A GPU without a record (its table full) is never asked: the rule
+        // on the platform observed decides.
+        let (near, far, seen) = self.gpu.map_or_else(
+            || (Verdict::Unverified, Verdict::Unverified, platform(self.phys)),
+            |g| (g.gate.0, g.gate.1, g.platform),
+        );
+        path::gate(self.shares_bridge, near, far, seen, params::unverified_allowed())
     }
 
     /// [`Route::gate`]'s verdict, a refusal counted on the pair and
@@ -223,21 +229,27 @@ impl Route {
 
     #[cold]
     fn gate_refused(&self, g: Gate) -> Error {
-        let e = compat::eopnotsupp();
+        let e = match g {
+            // The question failed on the way: its error, not a verdict.
+            Gate::Pending => match self.gpu.map_or(0, |g| g.gate_err) {
+                0 => EAGAIN,
+                e => Error::from_errno(e),
+            },
+            _ => compat::eopnotsupp(),
+        };
         // A pair without a slot is explained by the once-per-cause line.
         let first = self.pair.is_some_and(|pair| {
             pair.failed(-e.to_errno());
-            pair.first_refusal()
+            g != Gate::Pending && pair.first_refusal()
         });
         let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
-        if first && g == Gate::Refused {
+        if first {
             pr_err!("GPU {gpu} and peer {peer}: the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path, so nv_mem does not map it either; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n");
-        } else if first {
-            pr_err!("GPU {gpu} and peer {peer}: no PCIe switch in common and the GPU driver's topology verdict could not be learnt (persistent pins refused, as under MIG or vGPU), so nv_mem refuses the path; load nvidia_peermem with allow_unverified_paths=1 if this platform supports peer-to-peer DMA between them\n");
         }
         let why = match g {
-            Gate::Refused => "the GPU driver refuses peer-to-peer DMA on this path (NVreg_GrdmaPciTopoCheckOverride)",
-            _ => "no common PCIe switch and the GPU driver's verdict unknown (allow_unverified_paths)",
+            Gate::Refused => "the GPU driver refuses peer-to-peer DMA on this path",
+            Gate::Observed => "the GPU driver's rule refuses this path here (flagged chipset, no common PCIe switch, or NVreg_GrdmaPciTopoCheckOverride=2); the driver could not be asked (MIG or vGPU)",
+            _ => "asking the GPU driver about this path failed; asked again by a later registration",
         };
         fail!(
             at self.at();
@@ -278,7 +290,7 @@ impl Route {
     /// one that pinned it).
     pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
         let gpu = self.gpu.filter(|_| params::accounting())?;
-        Some(accounting::charge(self.pair, gpu, tgid, bytes))
+        accounting::charge(self.pair, gpu, tgid, bytes)
     }
 }
 
@@ -302,13 +314,29 @@ fn gpu_of(phys: u64) -> Option<Gpu> {
     accounting::gpu_by_phys(phys).or_else(|| pci_gpu(phys).as_ref().and_then(record_gpu))
 }
 
+/// What the module observes of the platform the GPU driver's topology rule
+/// reads, for the GPU whose BAR holds `phys` (the C shim: the hypervisor
+/// and the root complexes of the GPU's PCI domain; the driver's override
+/// read at load).
+#[cold]
+fn platform(phys: u64) -> Platform {
+    let seen = ffi::peermem_platform(phys);
+    Platform {
+        over: params::driver_override(),
+        passthrough: seen & ffi::PEERMEM_PASSTHROUGH != 0,
+        flagged_chipset: seen & ffi::PEERMEM_FLAGGED_CHIPSET != 0,
+    }
+}
+
 /// Learns the GPU driver's topology verdicts (fact 5) for the GPU whose BAR
-/// holds `phys` once, from an invalidating `acquire` of `start`: there the
-/// core holds no `mapping_lock` (facts 11-12), so the driver may be called.
+/// holds `phys`, from an invalidating `acquire` of `start`: there the core
+/// holds no `mapping_lock` (facts 11-12), so the driver may be called. Asks
+/// until both are learnt; after failed questions, fewer registrations ask
+/// (see `accounting::gate_learnt`).
 // One call site (the invalidating `acquire`): inlined there.
 pub(crate) fn learn_gate(start: u64, phys: u64) {
-    if let Some(gpu) = gpu_of(phys).filter(|g| g.gate.is_none()) {
-        probe_gate(start, gpu);
+    if let Some(gpu) = gpu_of(phys).filter(|g| accounting::gate_due(*g)) {
+        probe_gate(start, phys, gpu);
     }
 }
 
@@ -317,22 +345,28 @@ pub(crate) fn learn_gate(start: u64, phys: u64) {
 /// non-persistent table could be freed by a free callback between two calls
 /// of the driver (fact 2), and waiting for such a callback while it holds the
 /// driver's lock would deadlock.
+///
+/// Only the driver's refusal of persistent pins (MIG, vGPU) and the absence
+/// of a device of a kind are final (the rule is then applied to the
+/// platform observed); any other failure (no BAR1 or memory at that moment,
+/// the memory freed meanwhile, a candidate busy) is reported to the
+/// registrations that need the verdict and asked again.
 #[cold]
-fn probe_gate(start: u64, gpu: Gpu) {
+fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
     let range = GpuRange {
         start,
         len: GPU_PAGE_SIZE,
     };
-    // Only "not supported" is final (MIG, vGPU); anything else (the memory
-    // freed meanwhile, no memory, no peer that answered) is asked again by
-    // the next registrations, a few times.
-    let last_try = accounting::gate_attempt(gpu) >= GATE_TRIES;
     let table = match p2p::get_pages_persistent(&range) {
         Ok(t) => t,
-        Err(e) if e == compat::eopnotsupp() || last_try => {
-            return accounting::set_gate(gpu, Verdict::Unverified, Verdict::Unverified);
+        Err(e) if e == compat::eopnotsupp() => {
+            let u = Verdict::Unverified;
+            return accounting::gate_learnt(gpu, u, u, Some(platform(phys)), None);
         }
-        Err(_) => return,
+        Err(e) => {
+            let u = Verdict::Unknown;
+            return accounting::gate_learnt(gpu, u, u, None, Some(e.to_errno()));
+        }
     };
     STATS.topology_probes.add(1, Relaxed);
     // SAFETY: pinned just above for `range`, unpinned only below.
@@ -348,56 +382,55 @@ fn probe_gate(start: u64, gpu: Gpu) {
             "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
         );
     }
-    // Unknown: a peer was asked and failed otherwise; asked again later.
-    if (far != Verdict::Unknown && near != Verdict::Unknown) || last_try {
-        accounting::set_gate(gpu, near, far);
-    }
+    let err = [near, far].into_iter().find_map(|v| v.err());
+    let seen = [near, far]
+        .iter()
+        .any(|v| *v == Ok(Verdict::Unverified))
+        .then(|| platform(phys));
+    let v = |r: Result<Verdict, i32>| r.unwrap_or(Verdict::Unknown);
+    accounting::gate_learnt(gpu, v(near), v(far), seen, err);
 }
-
-/// How many registrations ask the GPU driver about a GPU before its
-/// verdicts count as unverifiable.
-const GATE_TRIES: u32 = 3;
 
 /// The driver's verdict for the first of at most three candidate peers of
 /// the right kind that it answers about: [`Verdict::Unverified`] when there
-/// is no such peer, [`Verdict::Unknown`] when every one asked failed
-/// otherwise.
+/// is no such peer; the errno of the last failure when none answered.
 ///
 /// # Safety
 ///
 /// `table` must be a live persistent pin of `range`.
-unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Verdict {
+unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Result<Verdict, i32> {
     // SAFETY: live (caller); the view does not outlive this line.
     let phys = unsafe { table.checked_pages(range) }.and_then(|p| p.physical_address(0));
-    let Some(phys) = phys else {
-        return Verdict::Unknown;
-    };
+    let phys = phys.ok_or(EFAULT.to_errno())?;
+    let mut err = 0;
     for i in 0..3 {
-        // A reference on the device, locked, or NULL.
-        let dev = ffi::peermem_gate_candidate(phys, near, i);
+        // A reference on the device, locked; NULL when there is none left,
+        // with `busy` set if one was skipped for its lock being held.
+        let mut busy = false;
+        let dev = ffi::peermem_gate_candidate(phys, near, i, &mut busy);
         if dev.is_null() {
-            // No such peer to ask about: asking again would not help.
-            return if i == 0 {
-                Verdict::Unverified
-            } else {
-                Verdict::Unknown
+            return match (busy, err) {
+                (true, _) => Err(EBUSY.to_errno()),
+                (false, 0) => Ok(Verdict::Unverified),
+                (false, e) => Err(e),
             };
         }
         // SAFETY: a live persistent table (caller) and a referenced device.
-        let verdict = match unsafe { table.dma_map(dev) } {
+        let answer = match unsafe { table.dma_map(dev) } {
             Ok(m) => {
                 // SAFETY: the mapping just made for `dev`; no callback exists.
                 let _ = unsafe { table.dma_unmap(dev, m) };
-                Verdict::Open
+                Ok(Verdict::Open)
             }
-            Err(e) if e == compat::eopnotsupp() => Verdict::Refused,
-            Err(_) => Verdict::Unknown,
+            Err(e) if e == compat::eopnotsupp() => Ok(Verdict::Refused),
+            Err(e) => Err(e.to_errno()),
         };
         // SAFETY: the lock and the reference the helper took.
         unsafe { ffi::peermem_gate_candidate_put(dev) };
-        if verdict != Verdict::Unknown {
-            return verdict;
+        match answer {
+            Ok(v) => return Ok(v),
+            Err(e) => err = e,
         }
     }
-    Verdict::Unknown
+    Err(err)
 }

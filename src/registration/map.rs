@@ -130,11 +130,14 @@ impl Registration {
 
     /// The lifecycle took a mapping (Mapped): flags it for `put_pages` and
     /// counts the registration on `route` until its pin ends (under this
-    /// lock, so that a revoke cannot end the pin in between).
+    /// lock, so that a revoke cannot end the pin in between). A pin is
+    /// counted once: a map after an unmap of the same pin keeps its charge.
     fn installed(&self, g: &mut Entered<'_>, route: &Route) {
         self.holds_map.store(1, Relaxed);
-        let owner = g.lc.owner().unwrap_or(0);
-        g.charge = route.charge(owner, self.range().len);
+        if g.charge.is_none() {
+            let owner = g.lc.owner().unwrap_or(0);
+            g.charge = route.charge(owner, self.range().len);
+        }
     }
 }
 

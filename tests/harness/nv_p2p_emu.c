@@ -51,6 +51,8 @@
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/pci.h>
+#include <linux/proc_fs.h>
+#include <linux/seq_file.h>
 #include <linux/rwsem.h>
 #include <linux/sched.h>
 #include <linux/sched/mm.h>
@@ -336,12 +338,26 @@ static atomic_t callbacks_running;
 
 /*
  * The 580+ topology gate's inputs (K/nv-pci.c nv_grdma_pci_topology_supported):
- * NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET, which RM sets at adapter init for a
- * chipset not known to forward peer-to-peer traffic, and
- * NVreg_GrdmaPciTopoCheckOverride (0: check, 1: allow, 2: deny).
+ * - NV_FLAG_PCI_P2P_UNSUPPORTED_CHIPSET, which RM sets at adapter init when a
+ *   device of the GPU's PCI domain is a Grace (TH500), Ampere Altra or
+ *   AmpereOne root complex (RM/arch/nvalloc/unix/src/osinit.c
+ *   _checkP2pChipsetSupport, RM/platform/chipset/chipset.c). Setting it
+ *   presents the board as an Ampere Altra: the host bridge of domain 0
+ *   shows that root complex's PCI ids (1def:e000) until it is cleared, so
+ *   that a client observes what RM observes;
+ * - NVreg_GrdmaPciTopoCheckOverride (0: check, 1: allow, 2: deny), a module
+ *   parameter without a sysfs file that RM shows in /proc/driver/nvidia/params
+ *   (K/nv-reg.h, K/nv-procfs.c);
+ * - IS_PASSTHRU, per GPU (RM/gpu/gpu.c gpuDetermineVirtualMode: a hypervisor
+ *   RM knows and a GPU that is no vGPU): bit i of passthrough_gpus for GPU i.
  */
 static u32 p2p_unsupported_chipset;
 static u32 topo_check_override;
+module_param_named(NVreg_GrdmaPciTopoCheckOverride, topo_check_override, uint, 0);
+static u32 passthrough_gpus;
+static struct pci_dev *altra;		/* the host bridge showing Altra's ids */
+static unsigned short altra_was[2];	/* its own vendor and device */
+static DEFINE_MUTEX(altra_lock);
 
 static int injected(int which)
 {
@@ -402,9 +418,56 @@ static bool topo_supported(struct emu_gpu *g, struct pci_dev *peer)
 	case 2:
 		return false;
 	}
+	if (READ_ONCE(passthrough_gpus) & BIT(g->index))
+		return true;	/* "Allow RDMA by default on passthrough VMs" */
 	if (READ_ONCE(p2p_unsupported_chipset))
 		return common_upstream_bridge(g->pdev, peer);
 	return true;
+}
+
+/* Shows (@on) or takes back Altra's ids on the host bridge of domain 0. */
+static void present_altra(bool on)
+{
+	mutex_lock(&altra_lock);
+	if (on && !altra) {
+		/* The GPUs of the testbed are in domain 0. */
+		altra = pci_get_domain_bus_and_slot(0, 0, PCI_DEVFN(0, 0));
+		if (altra) {
+			altra_was[0] = altra->vendor;
+			altra_was[1] = altra->device;
+			altra->vendor = 0x1def;
+			altra->device = 0xe000;
+		}
+	} else if (!on && altra) {
+		altra->vendor = altra_was[0];
+		altra->device = altra_was[1];
+		pci_dev_put(altra);
+		altra = NULL;
+	}
+	mutex_unlock(&altra_lock);
+}
+
+static int chipset_get(void *data, u64 *val)
+{
+	*val = READ_ONCE(p2p_unsupported_chipset);
+	return 0;
+}
+
+static int chipset_set(void *data, u64 val)
+{
+	present_altra(val);
+	WRITE_ONCE(p2p_unsupported_chipset, !!val);
+	return 0;
+}
+DEFINE_DEBUGFS_ATTRIBUTE(chipset_fops, chipset_get, chipset_set, "%llu\n");
+
+/* /proc/driver/nvidia/params, as nv-procfs.c prints it (a few of its lines). */
+static int params_show(struct seq_file *m, void *v)
+{
+	seq_puts(m, "ResmanDebugLevel: 4294967295\nRmLogonRC: 1\n");
+	seq_printf(m, "GrdmaPciTopoCheckOverride: %u\n", READ_ONCE(topo_check_override));
+	seq_puts(m, "EnableResizableBar: 0\n");
+	return 0;
 }
 
 /* --- allocations ---------------------------------------------------------- */
@@ -1647,8 +1710,11 @@ static int __init emu_init(void)
 	debugfs_create_u32("reuse_tables", 0600, dbg_dir, &reuse_tables);
 	debugfs_create_u32("callback_hold_ms", 0600, dbg_dir, &callback_hold_ms);
 	debugfs_create_atomic_t("callbacks_running", 0400, dbg_dir, &callbacks_running);
-	debugfs_create_u32("p2p_unsupported_chipset", 0600, dbg_dir, &p2p_unsupported_chipset);
+	debugfs_create_file_unsafe("p2p_unsupported_chipset", 0600, dbg_dir, NULL, &chipset_fops);
 	debugfs_create_u32("topo_check_override", 0600, dbg_dir, &topo_check_override);
+	debugfs_create_u32("passthrough_gpus", 0600, dbg_dir, &passthrough_gpus);
+	if (proc_mkdir("driver/nvidia", NULL))
+		proc_create_single("driver/nvidia/params", 0444, NULL, params_show);
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);
@@ -1665,6 +1731,8 @@ out_workers:
 static void __exit emu_exit(void)
 {
 	debugfs_remove_recursive(dbg_dir);
+	remove_proc_subtree("driver/nvidia", NULL);
+	present_altra(false);
 	misc_deregister(&emu_misc);
 	/* No file is open and every client module is gone; queued teardowns
 	 * still run (now, and without calling into unloaded clients) before

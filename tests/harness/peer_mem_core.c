@@ -1170,6 +1170,11 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	if (c->invalidation_required && READ_ONCE(map_delay_ms))
 		msleep(READ_ONCE(map_delay_ms));	/* mapping_lock held, as between the real calls */
 	err = CLIENT_CALL(pmc_client_dma_map(ops, &u->sgt, ctx, u->dma_dev, &nmap));
+	if (!err && (flags & PMC_REG_REMAP)) {
+		/* A core that unmaps and maps the same pin again before use. */
+		CLIENT_CALL_VOID(pmc_client_dma_unmap(ops, &u->sgt, ctx, u->dma_dev));
+		err = CLIENT_CALL(pmc_client_dma_map(ops, &u->sgt, ctx, u->dma_dev, &nmap));
+	}
 	if (err)
 		goto err_pages;
 	u->sgt.nents = nmap;
@@ -1394,7 +1399,8 @@ static long pmc_reg(struct pmc_file *pf, struct pmc_reg __user *uarg)
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags & ~(u64)(PMC_REG_INVAL_SUPP | PMC_REG_NON_PCI_DEV | PMC_REG_READ_ONLY))
+	if (arg.flags & ~(u64)(PMC_REG_INVAL_SUPP | PMC_REG_NON_PCI_DEV | PMC_REG_READ_ONLY |
+			       PMC_REG_REMAP))
 		return -EINVAL;
 	if (!hca.pdev && !(arg.flags & PMC_REG_NON_PCI_DEV))
 		return -ENODEV;

@@ -75,6 +75,7 @@ struct nvemu_info {
 #define PMC_REG_INVAL_SUPP	(1 << 0)	/* an MR (IB_PEER_MEM_INVAL_SUPP) */
 #define PMC_REG_NON_PCI_DEV	(1 << 1)	/* hand a non-PCI dma_device */
 #define PMC_REG_READ_ONLY	(1 << 2)
+#define PMC_REG_REMAP		(1 << 3)	/* dma_unmap and dma_map again before use */
 
 struct pmc_reg {
 	__u64 addr;	/* in */

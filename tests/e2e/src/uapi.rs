@@ -56,6 +56,7 @@ pub const NVEMU_DMA_MAP_RUNS: u32 = 2;
 pub const PMC_REG_INVAL_SUPP: u64 = 1 << 0;
 pub const PMC_REG_NON_PCI_DEV: u64 = 1 << 1;
 pub const PMC_REG_READ_ONLY: u64 = 1 << 2;
+pub const PMC_REG_REMAP: u64 = 1 << 3;
 
 #[repr(C)]
 #[derive(Default, Clone, Copy, Debug)]

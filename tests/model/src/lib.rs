@@ -661,21 +661,69 @@ mod path_tests {
     #[test]
     fn topology_gate() {
         use Verdict::*;
-        // A pair below a common bridge: open unless the driver refuses all.
-        for far in [Unknown, Open, Refused, Unverified] {
-            assert_eq!(gate(true, Unknown, far, false), Gate::Open);
-            assert_eq!(gate(true, Unverified, far, false), Gate::Open);
-            assert_eq!(gate(true, Open, far, false), Gate::Open);
-            assert_eq!(gate(true, Refused, far, true), Gate::Refused);
+        let bare = Platform::default();
+        let flagged = Platform {
+            flagged_chipset: true,
+            ..bare
+        };
+        for shares in [true, false] {
+            for other in [Unknown, Open, Refused, Unverified] {
+                let (near, far) = if shares { (Open, other) } else { (other, Open) };
+                // The driver's word, learnt, is final.
+                assert_eq!(gate(shares, near, far, flagged, false), Gate::Open);
+                let (near, far) = if shares { (Refused, other) } else { (other, Refused) };
+                assert_eq!(gate(shares, near, far, bare, true), Gate::Refused);
+                // Not learnt yet: asked again, never decided.
+                let (near, far) = if shares { (Unknown, other) } else { (other, Unknown) };
+                assert_eq!(gate(shares, near, far, bare, true), Gate::Pending);
+                // Not askable: the rule on the platform observed, or the
+                // operator's word.
+                let (near, far) = if shares { (Unverified, other) } else { (other, Unverified) };
+                assert_eq!(gate(shares, near, far, bare, false), Gate::Open);
+                let want = if shares { Gate::Open } else { Gate::Observed };
+                assert_eq!(gate(shares, near, far, flagged, false), want);
+                assert_eq!(gate(shares, near, far, flagged, true), Gate::Open);
+            }
         }
-        // Any other pair: the driver's word, else the operator's.
-        for near in [Unknown, Open, Refused, Unverified] {
-            assert_eq!(gate(false, near, Open, false), Gate::Open);
-            assert_eq!(gate(false, near, Refused, true), Gate::Refused);
-            assert_eq!(gate(false, near, Unknown, false), Gate::Unverified);
-            assert_eq!(gate(false, near, Unverified, false), Gate::Unverified);
-            assert_eq!(gate(false, near, Unverified, true), Gate::Open);
-            assert_eq!(gate(false, near, Unknown, true), Gate::Open);
+    }
+
+    /// The GPU driver's rule (nv-pci.c, `nv_grdma_pci_topology_supported`,
+    /// 580+, for a GPU that is not coherent), row by row as docs/design.md
+    /// gives it: override, passthrough VM, flagged chipset, common bridge
+    /// -> the driver maps.
+    const DRIVER_RULE: &[(u32, bool, bool, bool, bool)] = &[
+        (0, false, false, false, true),
+        (0, false, false, true, true),
+        (0, false, true, false, false),
+        (0, false, true, true, true),
+        (0, true, false, false, true),
+        (0, true, false, true, true),
+        (0, true, true, false, true),
+        (0, true, true, true, true),
+        (1, false, true, false, true),
+        (1, true, true, false, true),
+        (1, false, false, false, true),
+        (2, false, false, false, false),
+        (2, false, false, true, false),
+        (2, true, false, true, false),
+        (2, true, true, true, false),
+        (3, false, true, false, false),
+        (3, true, true, false, true),
+    ];
+
+    #[test]
+    fn the_platform_rule_is_the_drivers() {
+        for &(over, passthrough, flagged_chipset, shares, maps) in DRIVER_RULE {
+            let p = Platform {
+                over,
+                passthrough,
+                flagged_chipset,
+            };
+            assert_eq!(p.allows(shares), maps, "{p:?}, common bridge {shares}");
+            // The module observing a VM or bare metal decides as the driver
+            // does for either (both ways of the same row).
+            let want = if maps { Gate::Open } else { Gate::Observed };
+            assert_eq!(gate(shares, Verdict::Unverified, Verdict::Unverified, p, false), want);
         }
     }
 
