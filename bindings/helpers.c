@@ -23,7 +23,7 @@
 #include <linux/stddef.h>
 #include <linux/sysfs.h>
 #include <linux/workqueue.h>
-#ifdef CONFIG_X86
+#if defined(CONFIG_X86) && defined(CONFIG_HYPERVISOR_GUEST)
 #include <asm/hypervisor.h>
 #endif
 #include "nv-p2p.h"
@@ -44,6 +44,7 @@ void peermem_reap_run(void);	/* Rust, src/reaper.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
 void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
+bool peermem_known_peer(u32 id);	/* Rust, src/accounting.rs */
 
 /* One bridge above a device, for the path classification in Rust. */
 struct peermem_hop {
@@ -68,6 +69,7 @@ struct peermem_chain {
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy);
+bool peermem_gate_peer_exists(u64 gpu_phys, bool near);
 unsigned int peermem_platform(u64 gpu_phys);
 int peermem_driver_override(void);
 void peermem_gate_candidate_put(struct pci_dev *pdev);
@@ -98,7 +100,7 @@ module_param(path_policy, int, 0444);
 MODULE_PARM_DESC(path_policy, "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)");
 static int allow_unverified_paths;
 module_param(allow_unverified_paths, int, 0444);
-MODULE_PARM_DESC(allow_unverified_paths, "0 [default]: the invalidating client refuses a GPU-peer pair with no PCIe switch in common when the GPU driver's topology verdict cannot be learnt (persistent pins refused: MIG, vGPU); 1: map for it");
+MODULE_PARM_DESC(allow_unverified_paths, "0 [default]: where the GPU driver cannot be asked about a path (persistent pins refused: MIG, vGPU), the invalidating client applies the driver's topology rule to the platform it observes; 1: map every such path");
 static int pair_table_slots = 64;
 module_param(pair_table_slots, int, 0444);
 MODULE_PARM_DESC(pair_table_slots, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in debugfs paths; a pair without a slot is classified at each registration");
@@ -426,25 +428,31 @@ static bool peermem_common_bridge(struct pci_dev *a, struct pci_dev *b)
 /*
  * Whether the DMA API may be used on @pdev, locked by the caller: a bound
  * bus master, not a bridge, whose driver does not own the device's IOMMU
- * domain itself (vfio), and not a display, storage or USB controller.
+ * domain itself (vfio).
  */
 static bool peermem_dma_capable(struct pci_dev *pdev)
 {
 	const struct device_driver *drv = pdev->dev.driver;
-	unsigned int base = pdev->class >> 16;
 
 	return drv && pdev->is_busmaster && !pci_is_bridge(pdev) &&
-	       !to_pci_driver(drv)->driver_managed_dma && base != PCI_BASE_CLASS_DISPLAY &&
-	       base != PCI_BASE_CLASS_STORAGE && pdev->class >> 8 != PCI_CLASS_SERIAL_USB;
+	       !to_pci_driver(drv)->driver_managed_dma;
 }
 
-/* PCI class 0x0c06, serial bus controller: InfiniBand (no pci_ids.h name). */
-#define PEERMEM_CLASS_INFINIBAND	0x0c06
-
-static bool peermem_rdma_class(struct pci_dev *pdev)
+static int peermem_is_rdma_device(struct device *dev, void *unused)
 {
-	return pdev->class >> 16 == PCI_BASE_CLASS_NETWORK ||
-	       pdev->class >> 8 == PEERMEM_CLASS_INFINIBAND;
+	return dev->class && !strcmp(dev->class->name, "infiniband");
+}
+
+/*
+ * An RDMA peer: a device an RDMA driver registered an RDMA device on (its
+ * parent in /sys/class/infiniband), or (pass 1) one the core handed to one
+ * of our clients as a registration's dma_device.
+ */
+static bool peermem_rdma_peer(struct pci_dev *pdev, int pass)
+{
+	if (pass == 1)
+		return peermem_known_peer(peermem_pci_id(pdev));
+	return device_for_each_child(&pdev->dev, NULL, peermem_is_rdma_device);
 }
 
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy)
@@ -458,7 +466,8 @@ struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int ski
 	for (pass = 0; pass < 2; pass++) {
 		pdev = NULL;
 		for_each_pci_dev(pdev) {
-			if (pdev == gpu || peermem_rdma_class(pdev) != (pass == 0) ||
+			if (pdev == gpu || !peermem_rdma_peer(pdev, pass) ||
+			    (pass == 1 && peermem_rdma_peer(pdev, 0)) ||
 			    peermem_common_bridge(gpu, pdev) != near)
 				continue;
 			/* Its driver stays while the GPU driver maps for it. */
@@ -481,6 +490,27 @@ void peermem_gate_candidate_put(struct pci_dev *pdev)
 {
 	device_unlock(&pdev->dev);
 	pci_dev_put(pdev);
+}
+
+/* Whether peermem_gate_candidate may find one (no device is locked). */
+bool peermem_gate_peer_exists(u64 gpu_phys, bool near)
+{
+	struct resource *bar;
+	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev = NULL;
+	bool found = false;
+
+	if (!gpu)
+		return false;
+	for_each_pci_dev(pdev) {
+		if (pdev != gpu && (peermem_rdma_peer(pdev, 0) || peermem_rdma_peer(pdev, 1)) &&
+		    peermem_common_bridge(gpu, pdev) == near) {
+			found = true;
+			pci_dev_put(pdev);
+			break;
+		}
+	}
+	pci_dev_put(gpu);
+	return found;
 }
 
 /*
@@ -508,7 +538,8 @@ static bool peermem_passthrough(void)
 
 	if (peermem_present_vm)
 		return peermem_present_vm == 2;
-#ifdef CONFIG_X86
+#if defined(CONFIG_X86) && defined(CONFIG_HYPERVISOR_GUEST)
+	/* The kernel's detection: the same CPUID signatures RM looks for. */
 	switch (x86_hyper_type) {
 	case X86_HYPER_KVM:
 	case X86_HYPER_XEN_HVM:

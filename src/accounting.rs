@@ -278,15 +278,16 @@ pub(crate) fn gate_due(gpu: Gpu) -> bool {
 
 /// Records what a question about `gpu`'s topology verdicts learnt: the
 /// verdicts it got (`Unknown` leaves one as it was), the platform observed
-/// where the driver could not be asked, and, with `errno`, that it failed
-/// on the way; after `n` failures in a row the next `2^(n-1) - 1`
+/// where the driver could not be asked, and, with `again`, that a kind is
+/// to be asked again: after a failure (its errno) or for want of a peer
+/// (0). After `n` such questions in a row the next `2^(n-1) - 1`
 /// registrations (at most 1023) do not ask.
 pub(crate) fn gate_learnt(
     gpu: Gpu,
     near: Verdict,
     far: Verdict,
     seen: Option<Platform>,
-    errno: Option<i32>,
+    again: Option<i32>,
 ) {
     let mut t = TABLES.lock();
     let g = &mut t.gpus[gpu.slot];
@@ -301,14 +302,9 @@ pub(crate) fn gate_learnt(
             *v = new;
         }
     }
-    match errno {
-        Some(e) => {
-            g.gate_err = e;
-            g.gate_fails = g.gate_fails.saturating_add(1);
-            g.gate_skip = (1u32 << (g.gate_fails - 1).min(10)) - 1;
-        }
-        None => g.gate_fails = 0,
-    }
+    g.gate_err = again.unwrap_or(0);
+    g.gate_fails = again.map_or(0, |_| g.gate_fails.saturating_add(1));
+    g.gate_skip = (1u32 << g.gate_fails.saturating_sub(1).min(10)) - 1;
 }
 
 /// A pair's slot and what is known of its path.
@@ -476,6 +472,17 @@ extern "C" fn peermem_device_unbound(dev: *mut kernel::bindings::device) {
     if !unsafe { crate::ffi::peermem_peer_of(dev, &mut id, &mut seg) }.is_null() {
         forget_device(id);
     }
+}
+
+/// Whether the PCI device `id` was a registration's `dma_device` (it has a
+/// pair): an RDMA peer the GPU driver may be asked about (C shim,
+/// `peermem_gate_candidate`).
+#[no_mangle]
+extern "C" fn peermem_known_peer(id: u32) -> bool {
+    let t = TABLES.lock();
+    t.pairs[..t.pair_end]
+        .iter()
+        .any(|p| p.peer == id && (p.gpu, p.peer) != (0, 0))
 }
 
 /// The tables' records follow the PCI devices: watches them for the loss of

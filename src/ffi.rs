@@ -109,10 +109,12 @@ unsafe extern "C" {
     /// The calling process's name into a 16-byte buffer.
     pub(crate) safe fn peermem_comm_of(tgid: u32, comm: &mut [c_char; 16]);
     /// The `skip`-th PCI device the GPU driver's topology gate can be asked
-    /// about for the GPU whose BAR holds `gpu_phys`: a bound bus master, not
-    /// a bridge, whose driver uses the DMA API, with (`near`) or without an
-    /// upstream bridge in common with the GPU; network and InfiniBand
-    /// devices first, then any other but displays, storage and USB. Locked
+    /// about for the GPU whose BAR holds `gpu_phys`: an RDMA peer (a device
+    /// an RDMA driver registered an RDMA device on, else one that was a
+    /// registration's `dma_device`: `accounting::peermem_known_peer`), a
+    /// bound bus master
+    /// whose driver uses the DMA API, with (`near`) or without an upstream
+    /// bridge in common with the GPU. Locked
     /// (so that it keeps its driver) and referenced, for
     /// [`peermem_gate_candidate_put`]; or NULL, with `busy` set when a
     /// device of the kind was passed over for its lock being held.
@@ -122,6 +124,9 @@ unsafe extern "C" {
         skip: c_uint,
         busy: &mut bool,
     ) -> *mut pci_dev;
+    /// Whether [`peermem_gate_candidate`] may find a device of the kind
+    /// (none is locked: a hint, rechecked there).
+    pub(crate) safe fn peermem_gate_peer_exists(gpu_phys: u64, near: bool) -> bool;
     /// What the GPU driver's topology rule reads of the platform, for the
     /// GPU whose BAR holds `gpu_phys`: [`PEERMEM_PASSTHROUGH`],
     /// [`PEERMEM_FLAGGED_CHIPSET`].

@@ -152,15 +152,17 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
 /// answers for one kind of a GPU's peers, as this module learnt it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {
-    /// Not learnt yet (not asked, or the last question failed on the way).
+    /// Not learnt yet: not asked, no RDMA peer of the kind to ask about
+    /// yet, or the last question failed on the way (the caller's
+    /// [`Gate::Pending`]). Until it is, the rule on the platform observed.
     Unknown = 0,
     /// The driver maps for such peers.
     Open = 1,
     /// The driver refuses them (`-ENOTSUPP`).
     Refused = 2,
     /// The driver cannot be asked (persistent pins refused, as under MIG or
-    /// vGPU, or no device of that kind to ask about): the rule is applied
-    /// to what the module observes of the platform.
+    /// vGPU): the rule is applied to what the module observes of the
+    /// platform.
     Unverified = 3,
 }
 
@@ -202,8 +204,8 @@ pub(crate) enum Gate {
     /// The driver's rule refuses this peer on the platform observed (the
     /// driver could not be asked).
     Observed,
-    /// The driver's verdict is not learnt yet: the last question failed
-    /// (and is asked again).
+    /// The driver's verdict is not learnt yet and the last question failed
+    /// on the way (asked again): the caller's, from the failure it knows.
     Pending,
 }
 
@@ -215,8 +217,9 @@ pub(crate) enum Gate {
 /// (`nv_grdma_pci_topology_supported`, nv-pci.c: coherent platform, the
 /// override, passthrough and the chipset flag are the GPU's; then
 /// `nv_pci_has_common_pci_switch`), so one peer of each kind answers for
-/// all. Where the driver cannot be asked, its rule is applied to `platform`;
-/// `allow_unverified` (the operator's word) maps there whatever it says.
+/// all. Where the driver has not answered (or cannot be asked), its rule is
+/// applied to `platform`, unless `allow_unverified` (the operator's word)
+/// maps whatever the rule says.
 pub(crate) fn gate(
     shares_bridge: bool,
     near: Verdict,
@@ -227,8 +230,8 @@ pub(crate) fn gate(
     match if shares_bridge { near } else { far } {
         Verdict::Open => Gate::Open,
         Verdict::Refused => Gate::Refused,
-        Verdict::Unknown => Gate::Pending,
-        Verdict::Unverified if allow_unverified || platform.allows(shares_bridge) => Gate::Open,
-        Verdict::Unverified => Gate::Observed,
+        Verdict::Unverified | Verdict::Unknown if allow_unverified => Gate::Open,
+        _ if platform.allows(shares_bridge) => Gate::Open,
+        _ => Gate::Observed,
     }
 }

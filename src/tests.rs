@@ -1494,3 +1494,29 @@ mod abi_tests {
         }
     }
 }
+
+#[kunit_tests(nvidia_peermem_accounting)]
+mod accounting_tests {
+    use crate::accounting;
+
+    /// A charge read against a GPU record that its device's unbind freed,
+    /// and another GPU took, between `Route::of` and the registration's
+    /// `installed` lands nowhere. It used to count on the freed slot; the
+    /// new GPU's record was then made over it, and the release underflowed
+    /// that record's count (a panic with overflow checks).
+    #[test]
+    fn a_charge_never_lands_on_a_record_freed_meanwhile() {
+        // Devices and BARs no real device has.
+        let (id, start) = (0xfffe_0001u32, 0xffff_f000_0000_0000u64);
+        let old = accounting::add_gpu(id, start, start + 0xffff).expect("a free GPU slot");
+        accounting::forget_device(id);
+        let new = accounting::add_gpu(id + 1, start + 0x10_0000, start + 0x10_ffff)
+            .expect("a free GPU slot");
+        assert_eq!(new.slot, old.slot);
+        assert!(accounting::charge(None, old, 1, 4096).is_none());
+        let c = accounting::charge(None, new, 1, 4096).expect("charged on its own record");
+        c.release(4096);
+        accounting::forget_device(id + 1);
+        assert!(accounting::charge(None, new, 1, 4096).is_none());
+    }
+}

@@ -209,13 +209,19 @@ impl Route {
     /// driver, whose lock it must not take under the core's `mapping_lock`.
     /// A route without a pair record counts as sharing no bridge.
     pub(crate) fn gate(&self) -> Gate {
-        // A GPU without a record (its table full) is never asked: the rule
-        // on the platform observed decides.
-        let (near, far, seen) = self.gpu.map_or_else(
-            || (Verdict::Unverified, Verdict::Unverified, platform(self.phys)),
-            |g| (g.gate.0, g.gate.1, g.platform),
-        );
-        path::gate(self.shares_bridge, near, far, seen, params::unverified_allowed())
+        // A GPU without a record (its table full) is never asked.
+        let Some(gpu) = self.gpu else {
+            let u = Verdict::Unverified;
+            return path::gate(self.shares_bridge, u, u, platform(self.phys), false);
+        };
+        let (near, far) = gpu.gate;
+        let v = if self.shares_bridge { near } else { far };
+        if v == Verdict::Unknown && gpu.gate_err != 0 {
+            return Gate::Pending;
+        }
+        let allow = params::unverified_allowed();
+        let seen = if v == Verdict::Unknown { platform(self.phys) } else { gpu.platform };
+        path::gate(self.shares_bridge, near, far, seen, allow)
     }
 
     /// [`Route::gate`]'s verdict, a refusal counted on the pair and
@@ -243,8 +249,10 @@ impl Route {
             g != Gate::Pending && pair.first_refusal()
         });
         let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
-        if first {
+        if first && g == Gate::Refused {
             pr_err!("GPU {gpu} and peer {peer}: the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path, so nv_mem does not map it either; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n");
+        } else if first {
+            pr_err!("GPU {gpu} and peer {peer}: the GPU driver cannot be asked about this path (persistent pins refused, as under MIG or vGPU) and its topology rule (580+) refuses it on this platform (a flagged chipset without a common PCIe switch, or NVreg_GrdmaPciTopoCheckOverride=2), so nv_mem does not map it; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, or load nvidia_peermem with allow_unverified_paths=1, if this platform forwards peer-to-peer traffic between them\n");
         }
         let why = match g {
             Gate::Refused => "the GPU driver refuses peer-to-peer DMA on this path",
@@ -340,19 +348,26 @@ pub(crate) fn learn_gate(start: u64, phys: u64) {
     }
 }
 
-/// Asks the GPU driver about one peer below a common bridge with `gpu` and
-/// one not, through a persistent pin of the GPU page at `start`: a
-/// non-persistent table could be freed by a free callback between two calls
-/// of the driver (fact 2), and waiting for such a callback while it holds the
-/// driver's lock would deadlock.
+/// Asks the GPU driver about one RDMA peer below a common bridge with `gpu`
+/// and one not (the kinds not learnt yet), through a persistent pin of the
+/// GPU page at `start`: a non-persistent table could be freed by a free
+/// callback between two calls of the driver (fact 2), and waiting for such
+/// a callback while it holds the driver's lock would deadlock.
 ///
-/// Only the driver's refusal of persistent pins (MIG, vGPU) and the absence
-/// of a device of a kind are final (the rule is then applied to the
-/// platform observed); any other failure (no BAR1 or memory at that moment,
-/// the memory freed meanwhile, a candidate busy) is reported to the
-/// registrations that need the verdict and asked again.
+/// Only the driver's refusal of persistent pins (MIG, vGPU) is final (the
+/// rule is then applied to the platform observed). No RDMA peer of a kind
+/// yet, or a failure on the way (no BAR1 or memory at that moment, the
+/// memory freed meanwhile, the peer's lock held), leaves the kind to be
+/// asked again; a failure is reported to the registrations that need the
+/// verdict meanwhile.
 #[cold]
 fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
+    // No pin while there is no RDMA peer of an unknown kind to ask about.
+    let wanted = |v, near| v == Verdict::Unknown && ffi::peermem_gate_peer_exists(phys, near);
+    if !wanted(gpu.gate.0, true) && !wanted(gpu.gate.1, false) {
+        let u = Verdict::Unknown;
+        return accounting::gate_learnt(gpu, u, u, None, Some(0));
+    }
     let range = GpuRange {
         start,
         len: GPU_PAGE_SIZE,
@@ -369,10 +384,12 @@ fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
         }
     };
     STATS.topology_probes.add(1, Relaxed);
-    // SAFETY: pinned just above for `range`, unpinned only below.
-    let near = unsafe { ask_gate(&table, &range, true) };
-    // SAFETY: as above.
-    let far = unsafe { ask_gate(&table, &range, false) };
+    let ask = |v: Verdict, near| match v {
+        // SAFETY: pinned just above for `range`, unpinned only below.
+        Verdict::Unknown => unsafe { ask_gate(&table, &range, near) },
+        v => Ok(Some(v)),
+    };
+    let (near, far) = (ask(gpu.gate.0, true), ask(gpu.gate.1, false));
     // SAFETY: a persistent pin of `range`, not unpinned before.
     if let Err(e) = unsafe { table.put_persistent(&range) } {
         STATS.leaked_pins.add(1, Relaxed);
@@ -382,36 +399,42 @@ fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
             "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
         );
     }
-    let err = [near, far].into_iter().find_map(|v| v.err());
-    let seen = [near, far]
-        .iter()
-        .any(|v| *v == Ok(Verdict::Unverified))
-        .then(|| platform(phys));
-    let v = |r: Result<Verdict, i32>| r.unwrap_or(Verdict::Unknown);
-    accounting::gate_learnt(gpu, v(near), v(far), seen, err);
+    // Asked again: after a failure (its errno), or for want of a peer (0).
+    let again = match (near, far) {
+        (Err(e), _) | (_, Err(e)) => Some(e),
+        (Ok(None), _) | (_, Ok(None)) => Some(0),
+        _ => None,
+    };
+    let v = |r: Result<Option<Verdict>, i32>| r.ok().flatten().unwrap_or(Verdict::Unknown);
+    accounting::gate_learnt(gpu, v(near), v(far), None, again);
 }
 
-/// The driver's verdict for the first of at most three candidate peers of
-/// the right kind that it answers about: [`Verdict::Unverified`] when there
-/// is no such peer; the errno of the last failure when none answered.
+/// The driver's verdict for the first of at most three RDMA peers of the
+/// right kind that it answers about; `None` when there is no such peer;
+/// the errno of the last failure (`EBUSY`: a peer's lock was held) when
+/// none answered.
 ///
 /// # Safety
 ///
 /// `table` must be a live persistent pin of `range`.
-unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Result<Verdict, i32> {
+unsafe fn ask_gate(
+    table: &p2p::PageTable,
+    range: &GpuRange,
+    near: bool,
+) -> Result<Option<Verdict>, i32> {
     // SAFETY: live (caller); the view does not outlive this line.
     let phys = unsafe { table.checked_pages(range) }.and_then(|p| p.physical_address(0));
     let phys = phys.ok_or(EFAULT.to_errno())?;
     let mut err = 0;
     for i in 0..3 {
         // A reference on the device, locked; NULL when there is none left,
-        // with `busy` set if one was skipped for its lock being held.
+        // with `busy` set if one was passed over for its lock being held.
         let mut busy = false;
         let dev = ffi::peermem_gate_candidate(phys, near, i, &mut busy);
         if dev.is_null() {
             return match (busy, err) {
                 (true, _) => Err(EBUSY.to_errno()),
-                (false, 0) => Ok(Verdict::Unverified),
+                (false, 0) => Ok(None),
                 (false, e) => Err(e),
             };
         }
@@ -428,7 +451,7 @@ unsafe fn ask_gate(table: &p2p::PageTable, range: &GpuRange, near: bool) -> Resu
         // SAFETY: the lock and the reference the helper took.
         unsafe { ffi::peermem_gate_candidate_put(dev) };
         match answer {
-            Ok(v) => return Ok(v),
+            Ok(v) => return Ok(Some(v)),
             Err(e) => err = e,
         }
     }

@@ -1161,11 +1161,81 @@ fail:
 	return err;
 }
 
+/*
+ * The peers a client asked dma_map_pages to map for (mapped_for in debugfs:
+ * their PCI names, at most 16; writing empties the list): a client must ask
+ * only about devices that are its RDMA peers.
+ */
+static struct pci_dev *asked_for[16];
+static DEFINE_SPINLOCK(asked_lock);
+
+static void note_asked(struct pci_dev *peer)
+{
+	int i;
+
+	spin_lock(&asked_lock);
+	for (i = 0; i < ARRAY_SIZE(asked_for) && asked_for[i] != peer; i++) {
+		if (!asked_for[i]) {
+			asked_for[i] = pci_dev_get(peer);
+			break;
+		}
+	}
+	spin_unlock(&asked_lock);
+}
+
+static void forget_asked(void)
+{
+	struct pci_dev *gone[ARRAY_SIZE(asked_for)];
+	int i;
+
+	spin_lock(&asked_lock);
+	memcpy(gone, asked_for, sizeof(gone));
+	memset(asked_for, 0, sizeof(asked_for));
+	spin_unlock(&asked_lock);
+	for (i = 0; i < ARRAY_SIZE(gone); i++)
+		pci_dev_put(gone[i]);
+}
+
+static int mapped_for_show(struct seq_file *m, void *v)
+{
+	int i;
+
+	spin_lock(&asked_lock);
+	for (i = 0; i < ARRAY_SIZE(asked_for) && asked_for[i]; i++)
+		seq_printf(m, "%s\n", pci_name(asked_for[i]));
+	spin_unlock(&asked_lock);
+	return 0;
+}
+
+static int mapped_for_open(struct inode *inode, struct file *f)
+{
+	return single_open(f, mapped_for_show, NULL);
+}
+
+static ssize_t mapped_for_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	forget_asked();
+	return n;
+}
+
+static const struct file_operations mapped_for_fops = {
+	.owner = THIS_MODULE,
+	.open = mapped_for_open,
+	.read = seq_read,
+	.llseek = seq_lseek,
+	.release = single_release,
+	.write = mapped_for_write,
+};
+
 int nvidia_p2p_dma_map_pages(struct pci_dev *peer, struct nvidia_p2p_page_table *page_table,
 			     struct nvidia_p2p_dma_mapping **dma_mapping)
 {
 	u64 t0 = clock_start();
-	int ret = dma_map_pages(peer, page_table, dma_mapping);
+	int ret;
+
+	if (peer)
+		note_asked(peer);
+	ret = dma_map_pages(peer, page_table, dma_mapping);
 
 	if (t0)
 		atomic64_add(ktime_get_ns() - t0, &st_map_ns);
@@ -1713,6 +1783,7 @@ static int __init emu_init(void)
 	debugfs_create_file_unsafe("p2p_unsupported_chipset", 0600, dbg_dir, NULL, &chipset_fops);
 	debugfs_create_u32("topo_check_override", 0600, dbg_dir, &topo_check_override);
 	debugfs_create_u32("passthrough_gpus", 0600, dbg_dir, &passthrough_gpus);
+	debugfs_create_file("mapped_for", 0600, dbg_dir, NULL, &mapped_for_fops);
 	if (proc_mkdir("driver/nvidia", NULL))
 		proc_create_single("driver/nvidia/params", 0444, NULL, params_show);
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
@@ -1733,6 +1804,7 @@ static void __exit emu_exit(void)
 	debugfs_remove_recursive(dbg_dir);
 	remove_proc_subtree("driver/nvidia", NULL);
 	present_altra(false);
+	forget_asked();
 	misc_deregister(&emu_misc);
 	/* No file is open and every client module is gone; queued teardowns
 	 * still run (now, and without calling into unloaded clients) before

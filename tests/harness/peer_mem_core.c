@@ -646,6 +646,31 @@ static ssize_t fail_after_map_read(struct file *f, char __user *ubuf, size_t n, 
 	return simple_read_from_buffer(ubuf, n, pos, buf, len);
 }
 
+/*
+ * hold_hca_lock_ms: the writer holds the HCA's device lock for that long, as
+ * a driver core operation on it would (probe, unbind, reset): a client that
+ * asks about the HCA meanwhile must not wait for it.
+ */
+static ssize_t hold_hca_lock_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	unsigned int ms;
+	int err = kstrtouint_from_user(ubuf, n, 0, &ms);
+
+	if (err)
+		return err;
+	if (!hca.pdev || ms > 60000)
+		return -EINVAL;
+	device_lock(&hca.pdev->dev);
+	msleep(ms);
+	device_unlock(&hca.pdev->dev);
+	return n;
+}
+
+static const struct file_operations hold_hca_lock_fops = {
+	.owner = THIS_MODULE,
+	.write = hold_hca_lock_write,
+};
+
 static const struct file_operations fail_after_map_fops = {
 	.owner = THIS_MODULE,
 	.read = fail_after_map_read,
@@ -1760,6 +1785,7 @@ static int __init pmc_init(void)
 	}
 	dbg_dir = debugfs_create_dir("peer_mem_core", NULL);
 	debugfs_create_file("fail_after_map", 0600, dbg_dir, NULL, &fail_after_map_fops);
+	debugfs_create_file("hold_hca_lock_ms", 0200, dbg_dir, NULL, &hold_hca_lock_fops);
 	return 0;
 }
 

@@ -1126,6 +1126,10 @@ fn topology_explained(ctx: &Ctx, hca: &str, mark: &LogMark) -> Result<(), String
 fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
     let mark = LogMark::new();
     reload_with(ctx, &[])?;
+    // The first registration makes the HCA an RDMA peer to ask about (no
+    // pin: decided by the rule on the platform observed); the second asks.
+    let first = mr_outcome(ctx, a)?;
+    expect_err(first.map(|()| 0), libc::EOPNOTSUPP, "a pair not asked about yet")?;
     module::inject("get_pages_persistent", 1, 524)?;
     let mr = mr_outcome(ctx, a)?;
     module::inject("get_pages_persistent", 0, 524)?;
@@ -1143,9 +1147,11 @@ fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
         "the refusal does not name allow_unverified_paths"
     );
     reload_with(ctx, &["allow_unverified_paths=1"])?;
+    let first = mr_outcome(ctx, a)?;
     module::inject("get_pages_persistent", 1, 524)?;
     let mr = mr_outcome(ctx, a)?;
     module::inject("get_pages_persistent", 0, 524)?;
+    first.map_err(|e| format!("allow_unverified_paths=1: first MR {}", errno_name(e)))?;
     mr.map_err(|e| format!("allow_unverified_paths=1: MR {}", errno_name(e)))?;
     Ok("; unverifiable: EOPNOTSUPP, mapped with allow_unverified_paths=1".into())
 }
@@ -1326,4 +1332,202 @@ fn coherent_free(ctx: &mut Ctx, a: &mut Alloc) -> Result<(), String> {
         stat("pinned_bytes")
     );
     Ok(())
+}
+
+/// The invalidating client's verdict against the GPU driver's rule (fact 5,
+/// `nv_grdma_pci_topology_supported`), row by row: MIG (the driver cannot be
+/// asked: the rule on the platform observed) or not (the first registration
+/// after a load decides by the platform observed, for want of an RDMA peer
+/// to ask about; the second asks the driver about the HCA with a persistent
+/// pin), `NVreg_GrdmaPciTopoCheckOverride` 0/1/2, the GPUs passed through to
+/// a VM or not (presented to the module through its `present_vm` file: QEMU
+/// under TCG shows no hypervisor RM knows), the chipset flagged (the board
+/// shows Ampere Altra's root complex) or not, on this boot's path between
+/// the GPUs and the HCA. Ours must equal the driver's row by row, user space
+/// never sees 524, and the driver is asked about no device but the HCA.
+/// NVIDIA's C module's rows are reported beside, for information.
+pub fn driver_verdicts(ctx: &mut Ctx) -> Result<String, String> {
+    let (mut rows, mut asked) = (Vec::new(), String::new());
+    let r = [false, true].into_iter().try_for_each(|mig| {
+        // A fresh provider: it lists the devices it is asked to map for.
+        ctx.reload_provider(if mig { &["mig=1"] } else { &[] })?;
+        let r = verdict_rows(ctx, mig, &mut rows);
+        asked += &std::fs::read_to_string(format!("{EMU}/mapped_for")).unwrap_or_default();
+        r
+    });
+    let back = ctx.reload_provider(&[]);
+    r?;
+    back?;
+    let hca = hca_device().ok_or("no HCA bound")?;
+    let wrong: Vec<&String> = rows.iter().filter(|r| r.contains("differs")).collect();
+    let detail = format!(
+        "{} rows, {} mapped, {} refused{}; the driver was asked about {:?}",
+        rows.len(),
+        rows.iter().filter(|r| r.contains("driver maps")).count(),
+        rows.iter().filter(|r| r.contains("driver refuses")).count(),
+        if wrong.is_empty() {
+            ", every one as the driver's".to_string()
+        } else {
+            format!("; differ: {wrong:?}")
+        },
+        asked.split_whitespace().collect::<Vec<_>>()
+    );
+    ensure!(ctx.opts.reference || wrong.is_empty(), "{detail}");
+    ensure!(
+        ctx.opts.reference || asked.split_whitespace().all(|d| d == hca),
+        "the GPU driver was asked to map for a device that is not the RDMA peer: {detail}"
+    );
+    Ok(detail)
+}
+
+fn verdict_rows(ctx: &mut Ctx, mig: bool, rows: &mut Vec<String>) -> Result<(), String> {
+    let hca = hca_device().ok_or("no HCA bound")?;
+    let shares = gpus_share_bridge_with(&hca)?;
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    for over in [0u32, 1, 2] {
+        for vm in [false, true] {
+            for flagged in [false, true] {
+                let _o = Knob::emu("topo_check_override", &over.to_string())?;
+                let _v = Knob::emu("passthrough_gpus", if vm { "4294967295" } else { "0" })?;
+                let _f = Knob::emu("p2p_unsupported_chipset", if flagged { "1" } else { "0" })?;
+                reload_with(ctx, &[])?;
+                if ours(ctx) && vm {
+                    module::debugfs_write("/sys/kernel/debug/nvidia_peermem/present_vm", "2")?;
+                }
+                let maps = match over {
+                    1 => true,
+                    2 => false,
+                    _ => vm || !flagged || shares,
+                };
+                let got = [mr_outcome(ctx, &a)?, mr_outcome(ctx, &a)?];
+                ensure!(!got.contains(&Err(524)), "ENOTSUPP (524) leaked to user space");
+                let want = if maps { Ok(()) } else { Err(libc::EOPNOTSUPP) };
+                let learnt = gate_of_gpus();
+                let kind = if shares { "gate_shared_bridge=" } else { "gate_other=" };
+                let verdict = match (mig, maps) {
+                    (true, _) => "unverified",
+                    (false, true) => "open",
+                    (false, false) => "refused",
+                };
+                let as_driver = got == [want, want]
+                    && (!ours(ctx) || learnt.contains(&format!("{kind}{verdict}")));
+                rows.push(format!(
+                    "MIG {mig} override {over} VM {vm} flagged {flagged} bridge {shares}: driver {}, {}{:?} ({learnt})",
+                    if maps { "maps" } else { "refuses" },
+                    if as_driver { "ours " } else { "ours differs: " },
+                    got.map(|r| r.map_or_else(errno_name, |()| "mapped".into()))
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The GPU driver's verdict is asked with a persistent pin in an
+/// invalidating registration's `acquire`, about an RDMA peer (here the HCA,
+/// once it was a registration's `dma_device`). A failure on the way (no
+/// BAR1 at that moment: the harness shares one BAR1 mapping among pins of
+/// one page, so the probe's pin is failed by injection; the HCA's device
+/// lock held) gives the registrations that need the verdict the real error
+/// (ENOMEM, EBUSY; not EOPNOTSUPP) and is asked again, fewer registrations
+/// asking after each failure in a row. Never a final verdict from a failure.
+pub fn probe_failures(ctx: &mut Ctx) -> Result<String, String> {
+    let r = probe_failure_steps(ctx);
+    let reloaded = ctx.unload().and_then(|()| ctx.load());
+    r.and_then(|d| reloaded.map(|()| d))
+}
+
+fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
+    let hca = hca_device().ok_or("no HCA bound")?;
+    let shares = gpus_share_bridge_with(&hca)?;
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let _flag = Knob::emu("p2p_unsupported_chipset", "1")?;
+    let verdict = if shares { Ok(()) } else { Err(libc::EOPNOTSUPP) };
+    let name = |r: &Result<(), i32>| r.map_or_else(errno_name, |()| "mapped".into());
+    reload_with(ctx, &[])?;
+    // The first registration finds no RDMA peer to ask about (no pin: the
+    // rule on the platform observed decides) and makes the HCA one. The
+    // second asks and fails: ENOMEM. The third does not ask (two questions
+    // in a row came back without a verdict; asking now would have got it)
+    // and is told the last error; the fourth asks and gets the verdict.
+    let mut got = vec![mr_outcome(ctx, &a)?];
+    module::inject("get_pages_persistent", 1, libc::ENOMEM)?;
+    for _ in 0..3 {
+        got.push(mr_outcome(ctx, &a)?);
+    }
+    module::inject("get_pages_persistent", 0, libc::ENOMEM)?;
+    let e = Err(libc::ENOMEM);
+    ensure!(
+        got == [verdict, e, e, verdict],
+        "registrations around a failed question: {got:?}, expected {verdict:?}, ENOMEM x2, {verdict:?}"
+    );
+    let kind = if shares { "gate_shared_bridge=open" } else { "gate_other=refused" };
+    ensure!(gate_of_gpus().contains(kind), "gpus: {}", gate_of_gpus());
+    // The HCA's device lock held by another thread while a registration
+    // asks about it: EBUSY, and a later registration asks again.
+    reload_with(ctx, &[])?;
+    let first = mr_outcome(ctx, &a)?;
+    ensure!(first == verdict, "before the HCA was a peer: {first:?}");
+    let lock = std::thread::spawn(|| {
+        module::debugfs_write(&format!("{CORE_DBG}/hold_hca_lock_ms"), "2000")
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let va = a.va;
+    let locked = within(10, "a registration under the HCA's held lock", move || {
+        let core = Core::open()?;
+        match core.reg(va, M, PMC_REG_INVAL_SUPP) {
+            Ok(h) => core.dereg(h).map(|_| Ok(())).map_err(errno_name),
+            Err(e) => Ok(Err(e)),
+        }
+    })??;
+    lock.join().map_err(|_| "lock holder panicked")??;
+    ensure!(locked == Err(libc::EBUSY), "under the held lock: {locked:?}");
+    let mut after = Vec::new();
+    while after.last() != Some(&verdict) && after.len() < 3 {
+        after.push(mr_outcome(ctx, &a)?);
+    }
+    ensure!(
+        after.last() == Some(&verdict) && after[..after.len() - 1].iter().all(|r| *r == Err(libc::EBUSY)),
+        "after the lock: {after:?}, expected EBUSY until {verdict:?}"
+    );
+    Ok(format!(
+        "path shares a bridge: {shares}; {} x2 then {}; the HCA's lock held: {}, then {:?}",
+        name(&e),
+        name(&verdict),
+        name(&locked),
+        after.iter().map(name).collect::<Vec<_>>()
+    ))
+}
+
+/// A core that unmaps and maps a pin again before use (PMC_REG_REMAP): the
+/// registration is counted once on its GPU, and nothing is left counted
+/// after it ends.
+pub fn remap_counts_once(ctx: &mut Ctx) -> Result<String, String> {
+    let live = || -> Result<(u64, u64), String> {
+        let t = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
+            .map_err(|e| format!("gpus: {e}"))?;
+        let sum = |k: &str| {
+            t.split_whitespace()
+                .filter_map(|w| w.strip_prefix(k))
+                .filter_map(|v| v.parse::<u64>().ok())
+                .sum::<u64>()
+        };
+        Ok((sum("live="), sum("pinned_bytes=")))
+    };
+    let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
+    let before = live()?;
+    let flags = if ctx.mode.invalidating() { PMC_REG_INVAL_SUPP } else { 0 };
+    let h = ctx.core.reg(a.va, M, flags | PMC_REG_REMAP).map_err(errno_name)?;
+    let during = live()?;
+    let seed = ctx.rand();
+    let moved = ctx.core.dma_write(h, 0, &pattern(seed, 0, 256));
+    ctx.core.dereg(h).map_err(errno_name)?;
+    moved.map_err(|e| format!("DMA after the remap: {}", errno_name(e)))?;
+    ensure!(a.read(0, 256) == pattern(seed, 0, 256), "DMA went elsewhere");
+    let after = live()?;
+    ensure!(
+        during == (before.0 + 1, before.1 + M) && after == before,
+        "GPU counts (live, pinned bytes): before {before:?}, remapped {during:?}, after {after:?}"
+    );
+    Ok(format!("counted once: {during:?}, back to {after:?}"))
 }

@@ -131,10 +131,12 @@ impl Ctx {
         self.settle()
     }
 
-    /// The first invalidating registration on a GPU after a load asks the
-    /// GPU driver's topology gate with a persistent pin of its own
-    /// (`topology_probes`): one registration per GPU here, so that each
-    /// scenario counts only its own pins. `topology_gate` checks the probe.
+    /// The first invalidating registration on a GPU after a load that has
+    /// an RDMA peer to ask about (the HCA, once it was a registration's
+    /// `dma_device`) asks the GPU driver's topology gate with a persistent
+    /// pin of its own (`topology_probes`): one registration to make the HCA
+    /// a peer, then one per GPU here, so that each scenario counts only its
+    /// own pins. `topology_gate` and `driver_verdicts` check the probe.
     pub(crate) fn settle(&self) -> Result<(), String> {
         let Some(g) = self.gpu.as_ref() else {
             return Ok(());
@@ -143,7 +145,7 @@ impl Ctx {
             return Ok(());
         }
         let gpus = g.info().gpus;
-        for i in 0..gpus {
+        for i in std::iter::once(0).chain(0..gpus) {
             let a = g
                 .alloc(i, 1 << 16)
                 .map_err(|e| format!("settle: alloc on GPU {i}: {e}"))?;

@@ -205,6 +205,21 @@ pub const ALL: &[Scenario] = &[
         run: hostile::memlock_charged_first,
     },
     Scenario {
+        name: "driver_verdicts",
+        applies: |c| matches!(c.mode, Mode::Invalidating | Mode::Legacy),
+        run: hostile::driver_verdicts,
+    },
+    Scenario {
+        name: "probe_failures",
+        applies: ours_invalidating_any,
+        run: hostile::probe_failures,
+    },
+    Scenario {
+        name: "remap_counts_once",
+        applies: |c| ours(c) && c.mode != Mode::Ofed4,
+        run: hostile::remap_counts_once,
+    },
+    Scenario {
         name: "topology_gate",
         applies: always,
         run: hostile::topology_gate,
