@@ -93,6 +93,8 @@ struct GpuRec {
     gate_err: i32,
     gate_fails: u32,
     gate_skip: u32,
+    /// Questions recorded, so that one asked meanwhile is seen.
+    gate_asked: u32,
     /// The platform observed when the driver could not be asked.
     platform: Platform,
 }
@@ -147,6 +149,7 @@ const FREE_GPU: GpuRec = GpuRec {
     gate_err: 0,
     gate_fails: 0,
     gate_skip: 0,
+    gate_asked: 0,
     platform: Platform {
         over: 0,
         passthrough: false,
@@ -172,6 +175,19 @@ global_lock! {
     };
 }
 
+global_lock! {
+    // SAFETY: initialised by `Watch::new`, at load, before any client is
+    // registered, so before any registration asks the GPU driver.
+    unsafe(uninit) static ASKING: Mutex<()> = ();
+}
+
+/// Runs `ask`, one question to the GPU driver about topology verdicts at a
+/// time (see `topology::learn_gate`).
+pub(crate) fn asking(ask: impl FnOnce()) {
+    let _one = ASKING.lock();
+    ask();
+}
+
 /// A GPU's record, as read.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gpu {
@@ -183,6 +199,7 @@ pub(crate) struct Gpu {
     /// common bridge and not, and the errno of the last failed question.
     pub(crate) gate: (Verdict, Verdict),
     pub(crate) gate_err: i32,
+    pub(crate) gate_asked: u32,
     /// The platform observed, where a verdict is [`Verdict::Unverified`].
     pub(crate) platform: Platform,
 }
@@ -195,6 +212,7 @@ fn live_gpu(t: &Tables, slot: usize) -> Option<Gpu> {
         start: g.bar_start,
         gate: g.gate,
         gate_err: g.gate_err,
+        gate_asked: g.gate_asked,
         platform: g.platform,
     })
 }
@@ -256,6 +274,7 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
         start,
         gate: FREE_GPU.gate,
         gate_err: 0,
+        gate_asked: 0,
         platform: FREE_GPU.platform,
     })
 }
@@ -302,6 +321,7 @@ pub(crate) fn gate_learnt(
             *v = new;
         }
     }
+    g.gate_asked = g.gate_asked.wrapping_add(1);
     g.gate_err = again.unwrap_or(0);
     g.gate_fails = again.map_or(0, |_| g.gate_fails.saturating_add(1));
     g.gate_skip = (1u32 << g.gate_fails.saturating_sub(1).min(10)) - 1;
@@ -497,8 +517,11 @@ impl Watch {
     /// Readies the tables' lock and registers the bus notifier; called once,
     /// at load, before any client is registered.
     pub(crate) fn new() -> Result<Self> {
-        // SAFETY: called once per load, before `TABLES` is used (above).
+        // SAFETY: called once per load, before `TABLES` and `ASKING` are
+        // used (above).
         unsafe { TABLES.init() };
+        // SAFETY: as above.
+        unsafe { ASKING.init() };
         kernel::error::to_result(crate::ffi::peermem_watch_devices())?;
         // INVARIANT: registered just above.
         Ok(Self(()))

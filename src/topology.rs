@@ -343,9 +343,22 @@ fn platform(phys: u64) -> Platform {
 /// (see `accounting::gate_learnt`).
 // One call site (the invalidating `acquire`): inlined there.
 pub(crate) fn learn_gate(start: u64, phys: u64) {
-    if let Some(gpu) = gpu_of(phys).filter(|g| accounting::gate_due(*g)) {
-        probe_gate(start, phys, gpu);
+    let unknown = |g: &Gpu| g.gate.0 == Verdict::Unknown || g.gate.1 == Verdict::Unknown;
+    if let Some(gpu) = gpu_of(phys).filter(unknown).filter(|g| accounting::gate_due(*g)) {
+        ask_once(start, phys, gpu);
     }
+}
+
+/// Asks unless another registration did while this one waited: concurrent
+/// first registrations wait for one answer instead of asking about the same
+/// peers, whose locks they would find taken.
+#[cold]
+fn ask_once(start: u64, phys: u64, gpu: Gpu) {
+    accounting::asking(|| {
+        if let Some(gpu) = gpu_of(phys).filter(|g| g.gate_asked == gpu.gate_asked) {
+            probe_gate(start, phys, gpu);
+        }
+    });
 }
 
 /// Asks the GPU driver about one RDMA peer below a common bridge with `gpu`

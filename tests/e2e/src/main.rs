@@ -123,12 +123,18 @@ impl Ctx {
     }
 
     pub fn load(&self) -> Result<(), String> {
+        self.load_unsettled()?;
+        self.settle()
+    }
+
+    /// Loads the module under test without [`Ctx::settle`]: the next
+    /// registrations on each GPU are its first.
+    pub fn load_unsettled(&self) -> Result<(), String> {
         module::debugfs_write(
             "/sys/module/peer_mem_core/parameters/variant",
             self.mode.core_variant(),
         )?;
-        module::insmod(&self.opts.peermem, &self.mode.params())?;
-        self.settle()
+        module::insmod(&self.opts.peermem, &self.mode.params())
     }
 
     /// The first invalidating registration on a GPU after a load that has
@@ -455,7 +461,12 @@ fn main() {
             }
         }
         if ctx.opts.stress_ops > 0 {
-            let r = stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed)
+            // On a module just loaded: the threads' first registrations on
+            // each GPU race to learn its topology verdicts.
+            let r = ctx
+                .unload()
+                .and_then(|()| ctx.load_unsettled())
+                .and_then(|()| stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed))
                 .and_then(|d| scenarios::quiescent(&ctx).map(|_| d));
             match r {
                 Ok(d) => {
