@@ -220,7 +220,11 @@ impl Route {
             return Gate::Pending;
         }
         let allow = params::unverified_allowed();
-        let seen = if v == Verdict::Unknown { platform(self.phys) } else { gpu.platform };
+        let seen = if v == Verdict::Unknown {
+            platform(self.phys)
+        } else {
+            gpu.platform
+        };
         path::gate(self.shares_bridge, near, far, seen, allow)
     }
 
@@ -344,7 +348,10 @@ fn platform(phys: u64) -> Platform {
 // One call site (the invalidating `acquire`): inlined there.
 pub(crate) fn learn_gate(start: u64, phys: u64) {
     let unknown = |g: &Gpu| g.gate.0 == Verdict::Unknown || g.gate.1 == Verdict::Unknown;
-    if let Some(gpu) = gpu_of(phys).filter(unknown).filter(|g| accounting::gate_due(*g)) {
+    if let Some(gpu) = gpu_of(phys)
+        .filter(unknown)
+        .filter(|g| accounting::gate_due(*g))
+    {
         ask_once(start, phys, gpu);
     }
 }

@@ -1129,7 +1129,11 @@ fn unverified_paths(ctx: &mut Ctx, a: &Alloc) -> Result<String, String> {
     // The first registration makes the HCA an RDMA peer to ask about (no
     // pin: decided by the rule on the platform observed); the second asks.
     let first = mr_outcome(ctx, a)?;
-    expect_err(first.map(|()| 0), libc::EOPNOTSUPP, "a pair not asked about yet")?;
+    expect_err(
+        first.map(|()| 0),
+        libc::EOPNOTSUPP,
+        "a pair not asked about yet",
+    )?;
     module::inject("get_pages_persistent", 1, 524)?;
     let mr = mr_outcome(ctx, a)?;
     module::inject("get_pages_persistent", 0, 524)?;
@@ -1400,10 +1404,17 @@ fn verdict_rows(ctx: &mut Ctx, mig: bool, rows: &mut Vec<String>) -> Result<(), 
                     _ => vm || !flagged || shares,
                 };
                 let got = [mr_outcome(ctx, &a)?, mr_outcome(ctx, &a)?];
-                ensure!(!got.contains(&Err(524)), "ENOTSUPP (524) leaked to user space");
+                ensure!(
+                    !got.contains(&Err(524)),
+                    "ENOTSUPP (524) leaked to user space"
+                );
                 let want = if maps { Ok(()) } else { Err(libc::EOPNOTSUPP) };
                 let learnt = gate_of_gpus();
-                let kind = if shares { "gate_shared_bridge=" } else { "gate_other=" };
+                let kind = if shares {
+                    "gate_shared_bridge="
+                } else {
+                    "gate_other="
+                };
                 let verdict = match (mig, maps) {
                     (true, _) => "unverified",
                     (false, true) => "open",
@@ -1442,7 +1453,11 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
     let shares = gpus_share_bridge_with(&hca)?;
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     let _flag = Knob::emu("p2p_unsupported_chipset", "1")?;
-    let verdict = if shares { Ok(()) } else { Err(libc::EOPNOTSUPP) };
+    let verdict = if shares {
+        Ok(())
+    } else {
+        Err(libc::EOPNOTSUPP)
+    };
     let name = |r: &Result<(), i32>| r.map_or_else(errno_name, |()| "mapped".into());
     reload_with(ctx, &[])?;
     // The first registration finds no RDMA peer to ask about (no pin: the
@@ -1461,7 +1476,11 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
         got == [verdict, e, e, verdict],
         "registrations around a failed question: {got:?}, expected {verdict:?}, ENOMEM x2, {verdict:?}"
     );
-    let kind = if shares { "gate_shared_bridge=open" } else { "gate_other=refused" };
+    let kind = if shares {
+        "gate_shared_bridge=open"
+    } else {
+        "gate_other=refused"
+    };
     ensure!(gate_of_gpus().contains(kind), "gpus: {}", gate_of_gpus());
     // The HCA's device lock held by another thread while a registration
     // asks about it: EBUSY, and a later registration asks again.
@@ -1481,13 +1500,19 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
         }
     })??;
     lock.join().map_err(|_| "lock holder panicked")??;
-    ensure!(locked == Err(libc::EBUSY), "under the held lock: {locked:?}");
+    ensure!(
+        locked == Err(libc::EBUSY),
+        "under the held lock: {locked:?}"
+    );
     let mut after = Vec::new();
     while after.last() != Some(&verdict) && after.len() < 3 {
         after.push(mr_outcome(ctx, &a)?);
     }
     ensure!(
-        after.last() == Some(&verdict) && after[..after.len() - 1].iter().all(|r| *r == Err(libc::EBUSY)),
+        after.last() == Some(&verdict)
+            && after[..after.len() - 1]
+                .iter()
+                .all(|r| *r == Err(libc::EBUSY)),
         "after the lock: {after:?}, expected EBUSY until {verdict:?}"
     );
     Ok(format!(
@@ -1516,14 +1541,24 @@ pub fn remap_counts_once(ctx: &mut Ctx) -> Result<String, String> {
     };
     let a = ctx.gpu().alloc(0, M).map_err(errno_name)?;
     let before = live()?;
-    let flags = if ctx.mode.invalidating() { PMC_REG_INVAL_SUPP } else { 0 };
-    let h = ctx.core.reg(a.va, M, flags | PMC_REG_REMAP).map_err(errno_name)?;
+    let flags = if ctx.mode.invalidating() {
+        PMC_REG_INVAL_SUPP
+    } else {
+        0
+    };
+    let h = ctx
+        .core
+        .reg(a.va, M, flags | PMC_REG_REMAP)
+        .map_err(errno_name)?;
     let during = live()?;
     let seed = ctx.rand();
     let moved = ctx.core.dma_write(h, 0, &pattern(seed, 0, 256));
     ctx.core.dereg(h).map_err(errno_name)?;
     moved.map_err(|e| format!("DMA after the remap: {}", errno_name(e)))?;
-    ensure!(a.read(0, 256) == pattern(seed, 0, 256), "DMA went elsewhere");
+    ensure!(
+        a.read(0, 256) == pattern(seed, 0, 256),
+        "DMA went elsewhere"
+    );
     let after = live()?;
     ensure!(
         during == (before.0 + 1, before.1 + M) && after == before,

@@ -671,7 +671,11 @@ mod path_tests {
                 let (near, far) = if shares { (Open, other) } else { (other, Open) };
                 // The driver's word, learnt, is final.
                 assert_eq!(gate(shares, near, far, flagged, false), Gate::Open);
-                let (near, far) = if shares { (Refused, other) } else { (other, Refused) };
+                let (near, far) = if shares {
+                    (Refused, other)
+                } else {
+                    (other, Refused)
+                };
                 assert_eq!(gate(shares, near, far, bare, true), Gate::Refused);
                 // Not learnt yet, or not askable: the rule on the platform
                 // observed, or the operator's word.
@@ -722,7 +726,10 @@ mod path_tests {
             // The module observing a VM or bare metal decides as the driver
             // does for either (both ways of the same row).
             let want = if maps { Gate::Open } else { Gate::Observed };
-            assert_eq!(gate(shares, Verdict::Unverified, Verdict::Unverified, p, false), want);
+            assert_eq!(
+                gate(shares, Verdict::Unverified, Verdict::Unverified, p, false),
+                want
+            );
         }
     }
 
