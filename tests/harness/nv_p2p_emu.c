@@ -1626,6 +1626,8 @@ static int emu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	err = pcim_enable_device(pdev);
 	if (err)
 		return err;
+	/* A GPU is a bus master, as nvidia.ko makes it (K/nv-pci.c nv_pci_probe). */
+	pci_set_master(pdev);
 	rm_lock();
 	g = gpu_of_pdev(pdev);
 	err = g ? 0 : -ENOSPC;

@@ -1459,6 +1459,7 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
         Err(libc::EOPNOTSUPP)
     };
     let name = |r: &Result<(), i32>| r.map_or_else(errno_name, |()| "mapped".into());
+    module::debugfs_write(&format!("{EMU}/mapped_for"), "0")?;
     reload_with(ctx, &[])?;
     // The first registration finds no RDMA peer to ask about (no pin: the
     // rule on the platform observed decides) and makes the HCA one. The
@@ -1514,6 +1515,13 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
                 .iter()
                 .all(|r| *r == Err(libc::EBUSY)),
         "after the lock: {after:?}, expected EBUSY until {verdict:?}"
+    );
+    // Never another device in the HCA's stead (the other GPU is a bus
+    // master too, but no RDMA peer).
+    let asked = std::fs::read_to_string(format!("{EMU}/mapped_for")).unwrap_or_default();
+    ensure!(
+        asked.split_whitespace().all(|d| d == hca),
+        "the GPU driver was asked to map for a device that is not the RDMA peer: {asked:?}"
     );
     Ok(format!(
         "path shares a bridge: {shares}; {} x2 then {}; the HCA's lock held: {}, then {:?}",
