@@ -224,7 +224,7 @@ impl Report {
             self.add(
                 "module-signature-lockdown",
                 format!(
-                    "nvidia_peermem is not loaded and the kernel, locked down (Secure Boot), refused \
+                    "nvidia_peermem is not loaded and the kernel, locked down, refused \
                      a module that is unsigned or signed with a key it does not trust (log: {}; \
                      modprobe says \"Operation not permitted\"){now}",
                     quoted(&refusals.lockdown)

@@ -1675,8 +1675,8 @@ fn doctor_signature_lockdown() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(
         lines[0].split(". Fix: ").next().unwrap(),
-        "module-signature-lockdown: nvidia_peermem is not loaded and the kernel, locked down \
-         (Secure Boot), refused a module that is unsigned or signed with a key it does not trust \
+        "module-signature-lockdown: nvidia_peermem is not loaded and the kernel, locked down, \
+         refused a module that is unsigned or signed with a key it does not trust \
          (log: \"Lockdown: modprobe: unsigned module loading is restricted; see man \
          kernel_lockdown.7\"; modprobe says \"Operation not permitted\"); the kernel is locked \
          down (integrity)"
