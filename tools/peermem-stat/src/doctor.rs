@@ -21,6 +21,24 @@ use crate::{
 
 pub const KMSG: &str = "/dev/kmsg";
 const NV_MEM: &str = "/sys/kernel/mm/memory_peers/nv_mem";
+/// The kernel's lockdown state ("none [integrity] confidentiality").
+const LOCKDOWN: &str = "/sys/kernel/security/lockdown";
+/// Y when module signatures are enforced (module.sig_enforce=1).
+const SIG_ENFORCE: &str = "/sys/module/module/parameters/sig_enforce";
+
+/// What to do once a module is refused for its signature: the key DKMS signs
+/// with (the distribution's own: Debian's dkms keeps it in /var/lib/dkms,
+/// Ubuntu's in /var/lib/shim-signed/mok) enrolled as a Machine Owner Key.
+macro_rules! enroll {
+    () => {
+        "enroll the key DKMS signs with as a Machine Owner Key, once per node: mokutil --import \
+         /var/lib/dkms/mok.pub (Debian) or mokutil --import /var/lib/shim-signed/mok/MOK.der \
+         (Ubuntu), choose a one-time password, reboot, and in MokManager (blue screen) choose \
+         Enroll MOK, Continue, Yes, type the password, Reboot; then modprobe nvidia_peermem \
+         (mokutil --test-key <that file> says whether it is enrolled; modinfo -F signer \
+         nvidia_peermem names the key the module is signed with)"
+    };
+}
 
 /// The kernel log is read up to this size.
 const MAX_LOG: usize = 16 << 20;
@@ -126,6 +144,7 @@ impl Report {
                 "rebuild it with the kernel's rustc: scripts/prepare-kdir, then dkms autoinstall",
             );
         }
+        self.signature(sys, log);
         if self.findings.is_empty() {
             let earlier = if peer_api.is_empty() {
                 String::new()
@@ -139,6 +158,82 @@ impl Report {
                 "not-loaded",
                 format!("nvidia_peermem is not loaded (no {MODULE_DIR}){earlier}"),
                 "modprobe nvidia_peermem; if that fails, run peermem-stat doctor again to read why",
+            );
+        }
+    }
+
+    /// A load refused for the module's signature (Secure Boot nodes). The
+    /// kernel's lines do not name the module; they count while nvidia_peermem
+    /// is not loaded and has not loaded since.
+    fn signature(&mut self, sys: &Sys, log: &str) {
+        let refusals = signature_refusals(log);
+        let state = |abs: &str| sys.text(abs).and_then(Result::ok);
+        // "none [integrity] confidentiality": the bracketed one is in force.
+        let lockdown = state(LOCKDOWN).and_then(|s| {
+            let mode = s.split_once('[')?.1.split_once(']')?.0.to_string();
+            (mode != "none").then_some(mode)
+        });
+        let enforced = state(SIG_ENFORCE).is_some_and(|s| s == "Y");
+        let mut now = Vec::new();
+        if let Some(mode) = &lockdown {
+            now.push(format!("the kernel is locked down ({mode})"));
+        }
+        if enforced {
+            now.push("module signatures are enforced (sig_enforce=Y)".to_string());
+        }
+        let now = if now.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", now.join(", "))
+        };
+        let quoted = |r: &[&str]| {
+            r.iter()
+                .map(|l| format!("\"{l}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if !refusals.unsigned.is_empty() {
+            self.add(
+                "module-unsigned",
+                format!(
+                    "nvidia_peermem is not loaded and the kernel refused an unsigned module (log: {}; \
+                     modprobe says \"Key was rejected by service\"){now}: DKMS did not sign it",
+                    quoted(&refusals.unsigned)
+                ),
+                concat!(
+                    "DKMS signs what it builds when the kernel's config has CONFIG_MODULE_SIG_HASH and \
+                     sign-file is installed (Debian: linux-kbuild-<series>, with linux-headers): rebuild \
+                     it (dpkg-reconfigure nvidia-peermem-rs-dkms, or dkms install --force \
+                     nvidia-peermem-rs/<version>), then ",
+                    enroll!()
+                ),
+            );
+        }
+        if !refusals.untrusted.is_empty() {
+            self.add(
+                "module-key-not-enrolled",
+                format!(
+                    "nvidia_peermem is not loaded and the kernel refused a module signed with a key it \
+                     does not trust (log: {}; modprobe says \"Key was rejected by service\"){now}",
+                    quoted(&refusals.untrusted)
+                ),
+                enroll!(),
+            );
+        }
+        if !refusals.lockdown.is_empty() {
+            self.add(
+                "module-signature-lockdown",
+                format!(
+                    "nvidia_peermem is not loaded and the kernel, locked down, refused \
+                     a module that is unsigned or signed with a key it does not trust (log: {}; \
+                     modprobe says \"Operation not permitted\"){now}",
+                    quoted(&refusals.lockdown)
+                ),
+                concat!(
+                    "if modinfo -F signer nvidia_peermem prints nothing, DKMS did not sign it: \
+                     rebuild it (dpkg-reconfigure nvidia-peermem-rs-dkms); then ",
+                    enroll!()
+                ),
             );
         }
     }
@@ -300,6 +395,56 @@ pub fn load_failures(log: &str) -> (Vec<&str>, Vec<&str>) {
     (unknown, disagrees)
 }
 
+/// The kernel's refusals of module signatures since nvidia_peermem last
+/// loaded, each distinct line once (the text after the record's prefix).
+#[derive(Debug, Default, PartialEq)]
+pub struct SignatureRefusals<'a> {
+    /// Enforced signatures, no signature: "Loading of unsigned module is
+    /// rejected" (EKEYREJECTED).
+    pub unsigned: Vec<&'a str>,
+    /// Enforced signatures, a key the kernel does not trust or a hash it
+    /// cannot check: "Loading of module with unavailable key is rejected"
+    /// (EKEYREJECTED).
+    pub untrusted: Vec<&'a str>,
+    /// Lockdown without enforcement, either cause: "Lockdown: modprobe:
+    /// unsigned module loading is restricted; see man kernel_lockdown.7"
+    /// (EPERM).
+    pub lockdown: Vec<&'a str>,
+}
+
+pub fn signature_refusals(log: &str) -> SignatureRefusals<'_> {
+    let mut r = SignatureRefusals::default();
+    for line in log.lines() {
+        if let Some((_, msg)) = line.split_once("nvidia_peermem: ") {
+            if msg.starts_with("version ") && msg.contains(" loaded") {
+                r = SignatureRefusals::default();
+            }
+            continue;
+        }
+        // /dev/kmsg's "6,812,5123,-;" or dmesg's "[   12.5] ".
+        let msg = match line.split_once(';') {
+            Some((head, rest)) if !head.contains(' ') && head.contains(',') => rest,
+            _ => line.split_once("] ").map_or(line, |(_, rest)| rest),
+        }
+        .trim();
+        let list = if msg.starts_with("Loading of unsigned module is rejected") {
+            &mut r.unsigned
+        } else if msg.starts_with("Loading of module with ") && msg.contains(" is rejected") {
+            &mut r.untrusted
+        } else if msg.starts_with("Lockdown: ")
+            && msg.contains(": unsigned module loading is restricted")
+        {
+            &mut r.lockdown
+        } else {
+            continue;
+        };
+        if !list.contains(&msg) {
+            list.push(msg);
+        }
+    }
+    r
+}
+
 /// The kernel log: `file` (under the root when absolute), or /dev/kmsg
 /// under the root, read without blocking at its end.
 fn read_log(sys: &Sys, file: Option<&Path>) -> Result<String, String> {
@@ -356,5 +501,35 @@ mod tests {
             "{log}6,900,9000,-;nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"
         );
         assert_eq!(load_failures(&later), (vec![], vec![]));
+    }
+
+    #[test]
+    fn signature_lines() {
+        let log = "\
+5,700,100,-;Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7
+5,701,101,-;Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7
+[   12.5] Loading of unsigned module is rejected
+[   12.6] Loading of module with unavailable key is rejected
+[   12.7] Loading of module with unsupported crypto is rejected
+[   12.8] other: Loading of unsigned module is rejected later
+";
+        let r = signature_refusals(log);
+        assert_eq!(
+            r.lockdown,
+            ["Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7"]
+        );
+        assert_eq!(r.unsigned, ["Loading of unsigned module is rejected"]);
+        assert_eq!(
+            r.untrusted,
+            [
+                "Loading of module with unavailable key is rejected",
+                "Loading of module with unsupported crypto is rejected"
+            ]
+        );
+        assert_eq!(signature_refusals(""), SignatureRefusals::default());
+        let later = format!(
+            "{log}6,900,9000,-;nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"
+        );
+        assert_eq!(signature_refusals(&later), SignatureRefusals::default());
     }
 }

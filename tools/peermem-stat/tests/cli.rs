@@ -1640,6 +1640,153 @@ fn doctor_symbol_version_mismatch() {
     assert_eq!(findings(&t, &[]), ["gpu-driver-absent", "unknown-symbol"]);
 }
 
+/// The enrollment steps every signature finding ends with, for Debian's and
+/// Ubuntu's DKMS keys.
+fn assert_enrollment(line: &str) {
+    for want in [
+        "Fix: ",
+        "mokutil --import /var/lib/dkms/mok.pub (Debian)",
+        "mokutil --import /var/lib/shim-signed/mok/MOK.der (Ubuntu)",
+        "reboot, and in MokManager",
+        "Enroll MOK, Continue, Yes",
+        "then modprobe nvidia_peermem",
+    ] {
+        assert!(line.contains(want), "{want:?} not in {line}");
+    }
+}
+
+#[test]
+fn doctor_signature_lockdown() {
+    // Secure Boot, lockdown alone: EPERM and the lockdown LSM's line, which
+    // names the command, not the module.
+    let t = Tree::new("doctor-lockdown");
+    t.file(
+        "/dev/kmsg",
+        "6,500,100,-;ib_core: loaded\n\
+         5,501,200,-;Lockdown: modprobe: unsigned module loading is restricted; see man kernel_lockdown.7\n",
+    )
+    .file(
+        "/sys/kernel/security/lockdown",
+        "none [integrity] confidentiality\n",
+    )
+    .file("/sys/module/module/parameters/sig_enforce", "N\n");
+    let (code, lines, err) = doctor(&t, &[]);
+    assert_eq!((code, err.as_str()), (3, ""));
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(
+        lines[0].split(". Fix: ").next().unwrap(),
+        "module-signature-lockdown: nvidia_peermem is not loaded and the kernel, locked down, \
+         refused a module that is unsigned or signed with a key it does not trust \
+         (log: \"Lockdown: modprobe: unsigned module loading is restricted; see man \
+         kernel_lockdown.7\"; modprobe says \"Operation not permitted\"); the kernel is locked \
+         down (integrity)"
+    );
+    assert!(lines[0]
+        .contains("Fix: if modinfo -F signer nvidia_peermem prints nothing, DKMS did not sign it"));
+    assert_enrollment(&lines[0]);
+    // Loaded since (the key was enrolled): the refusal is stale.
+    t.file(
+        "/dev/kmsg",
+        "5,501,200,-;Lockdown: modprobe: unsigned module loading is restricted; see man kernel_lockdown.7\n\
+         6,600,900,-;nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n",
+    );
+    assert_eq!(findings(&t, &[]), ["not-loaded"]);
+    // Another module's lockdown refusal counts while ours is not loaded, and
+    // a lockdown line of another kind does not.
+    t.file(
+        "/dev/kmsg",
+        "5,1,1,-;Lockdown: insmod: debugfs access is restricted; see man kernel_lockdown.7\n",
+    );
+    assert_eq!(findings(&t, &[]), ["not-loaded"]);
+    // JSON: the finding with its id and fix.
+    t.file(
+        "/dev/kmsg",
+        "5,1,1,-;Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7\n",
+    );
+    let (code, out, _) = t.run(&["doctor", "--json"]);
+    assert_eq!(code, 3);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["findings"][0]["id"], "module-signature-lockdown");
+    assert_enrollment(&format!(
+        "Fix: {}",
+        v["findings"][0]["fix"].as_str().unwrap()
+    ));
+}
+
+#[test]
+fn doctor_signature_enforced() {
+    // module.sig_enforce=1: EKEYREJECTED, and the module loader's line says
+    // which case. A saved dmesg works as well as /dev/kmsg.
+    let t = Tree::new("doctor-sig-enforce");
+    t.file("/sys/module/module/parameters/sig_enforce", "Y\n")
+        .file(
+            "/sys/kernel/security/lockdown",
+            "[none] integrity confidentiality\n",
+        )
+        .file(
+            "/var/log/dmesg.txt",
+            "[   10.1] Loading of unsigned module is rejected\n\
+             [   10.2] Loading of unsigned module is rejected\n",
+        );
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/dmesg.txt"]),
+        ["module-unsigned"]
+    );
+    let (_, lines, _) = doctor(&t, &["--log", "/var/log/dmesg.txt"]);
+    assert_eq!(
+        lines[0].split(". Fix: ").next().unwrap(),
+        "module-unsigned: nvidia_peermem is not loaded and the kernel refused an unsigned module \
+         (log: \"Loading of unsigned module is rejected\"; modprobe says \"Key was rejected by \
+         service\"); module signatures are enforced (sig_enforce=Y): DKMS did not sign it"
+    );
+    assert!(lines[0].contains("rebuild it (dpkg-reconfigure nvidia-peermem-rs-dkms"));
+    assert_enrollment(&lines[0]);
+    // Signed, with a key the kernel does not trust: enrollment only.
+    t.file(
+        "/var/log/dmesg.txt",
+        "[   11.0] Loading of module with unavailable key is rejected\n",
+    );
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/dmesg.txt"]),
+        ["module-key-not-enrolled"]
+    );
+    let (_, lines, _) = doctor(&t, &["--log", "/var/log/dmesg.txt"]);
+    assert!(lines[0].starts_with(
+        "module-key-not-enrolled: nvidia_peermem is not loaded and the kernel refused a module \
+         signed with a key it does not trust (log: \"Loading of module with unavailable key is \
+         rejected\"; modprobe says \"Key was rejected by service\"); module signatures are \
+         enforced (sig_enforce=Y). Fix: enroll the key DKMS signs with"
+    ));
+    assert!(!lines[0].contains("rebuild it"), "{}", lines[0]);
+    assert_enrollment(&lines[0]);
+    // Both, lockdown too (the state read from /sys): each its own line, no
+    // "not-loaded" beside them.
+    t.file(
+        "/dev/kmsg",
+        "5,1,1,-;Loading of unsigned module is rejected\n\
+         5,2,2,-;Loading of module with unavailable key is rejected\n",
+    )
+    .file(
+        "/sys/kernel/security/lockdown",
+        "none [integrity] confidentiality\n",
+    );
+    assert_eq!(
+        findings(&t, &[]),
+        ["module-unsigned", "module-key-not-enrolled"]
+    );
+    assert!(doctor(&t, &[]).1[1].contains(
+        "; the kernel is locked down (integrity), module signatures are enforced (sig_enforce=Y)"
+    ));
+    // Without signature enforcement or lockdown the kernel loads an unsigned
+    // module with a taint line only: not a refusal, nothing to enroll.
+    let t = Tree::new("doctor-sig-taint");
+    t.file(
+        "/dev/kmsg",
+        "4,1,1,-;nvidia_peermem: module verification failed: signature and/or required key missing - tainting kernel\n",
+    );
+    assert_eq!(findings(&t, &[]), ["not-loaded"]);
+}
+
 #[test]
 fn doctor_not_loaded_without_a_log() {
     let t = Tree::new("doctor-nolog");
