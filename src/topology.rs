@@ -382,30 +382,12 @@ fn ask_once(start: u64, phys: u64, gpu: Gpu) {
 /// verdict meanwhile.
 #[cold]
 fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
-    // No pin while there is no RDMA peer of an unknown kind to ask about.
-    let wanted = |v, near| v == Verdict::Unknown && ffi::peermem_gate_peer_exists(phys, near);
-    if !wanted(gpu.gate.0, true) && !wanted(gpu.gate.1, false) {
-        let u = Verdict::Unknown;
-        return accounting::gate_learnt(gpu, u, u, None, Some(0));
-    }
-    let range = GpuRange {
-        start,
-        len: GPU_PAGE_SIZE,
-    };
-    let table = match p2p::get_pages_persistent(&range) {
-        Ok(t) => t,
-        Err(e) if e == compat::eopnotsupp() => {
-            let u = Verdict::Unverified;
-            return accounting::gate_learnt(gpu, u, u, Some(platform(phys)), None);
-        }
-        Err(e) => {
-            let u = Verdict::Unknown;
-            return accounting::gate_learnt(gpu, u, u, None, Some(e.to_errno()));
-        }
+    let Some((table, range)) = probe_pin(start, phys, gpu) else {
+        return;
     };
     STATS.topology_probes.add(1, Relaxed);
     let ask = |v: Verdict, near| match v {
-        // SAFETY: pinned just above for `range`, unpinned only below.
+        // SAFETY: pinned by `probe_pin` for `range`, unpinned only below.
         Verdict::Unknown => unsafe { ask_gate(&table, &range, near) },
         v => Ok(Some(v)),
     };
@@ -427,6 +409,37 @@ fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
     };
     let v = |r: Result<Option<Verdict>, i32>| r.ok().flatten().unwrap_or(Verdict::Unknown);
     accounting::gate_learnt(gpu, v(near), v(far), None, again);
+}
+
+/// The persistent pin of the GPU page at `start` that `probe_gate` asks
+/// with; `None`, with what that means recorded, when there is no RDMA peer
+/// of an unknown kind to ask about (no pin is made) or the driver did not
+/// pin.
+fn probe_pin(start: u64, phys: u64, gpu: Gpu) -> Option<(p2p::PageTable, GpuRange)> {
+    let wanted = |v, near| v == Verdict::Unknown && ffi::peermem_gate_peer_exists(phys, near);
+    let (u, range) = (
+        Verdict::Unknown,
+        GpuRange {
+            start,
+            len: GPU_PAGE_SIZE,
+        },
+    );
+    if !wanted(gpu.gate.0, true) && !wanted(gpu.gate.1, false) {
+        accounting::gate_learnt(gpu, u, u, None, Some(0));
+        return None;
+    }
+    match p2p::get_pages_persistent(&range) {
+        Ok(t) => Some((t, range)),
+        Err(e) if e == compat::eopnotsupp() => {
+            let u = Verdict::Unverified;
+            accounting::gate_learnt(gpu, u, u, Some(platform(phys)), None);
+            None
+        }
+        Err(e) => {
+            accounting::gate_learnt(gpu, u, u, None, Some(e.to_errno()));
+            None
+        }
+    }
 }
 
 /// The driver's verdict for the first of at most three RDMA peers of the
