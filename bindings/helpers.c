@@ -80,7 +80,8 @@ void peermem_comm_of(u32 tgid, char *comm);
 int peermem_param(unsigned int which);
 int peermem_views_add(void);
 void peermem_views_remove(void);
-ssize_t peermem_view_read(unsigned int which, char *buf, loff_t off, size_t count);	/* Rust, src/views.rs */
+ssize_t peermem_view_read(unsigned int which, uintptr_t reader, char *buf, loff_t off,
+			  size_t count);	/* Rust, src/views.rs */
 
 /*
  * The module's parameters, with NVIDIA's names and meanings (560+). Declared
@@ -263,13 +264,13 @@ void peermem_unwatch_devices(void)
  * The operator's views, /sys/module/nvidia_peermem/stats/{counters,paths,
  * gpus,processes}: readable where debugfs is not (containers that mount only
  * /sys, kernel lockdown). Binary attributes, as a table can exceed a page:
- * each read renders the view anew (src/views.rs) and copies the window asked
- * for.
+ * a read from the start renders the view for that open file, the following
+ * reads copy from that rendering (src/views.rs).
  */
 static ssize_t peermem_view(struct file *file, struct kobject *kobj,
 			    const struct bin_attribute *attr, char *buf, loff_t off, size_t count)
 {
-	return peermem_view_read((unsigned int)(uintptr_t)attr->private, buf, off, count);
+	return peermem_view_read((unsigned int)(uintptr_t)attr->private, (uintptr_t)file, buf, off, count);
 }
 
 #define PEERMEM_VIEW(_name, _which)						\

@@ -1574,3 +1574,86 @@ pub fn remap_counts_once(ctx: &mut Ctx) -> Result<String, String> {
     );
     Ok(format!("counted once: {during:?}, back to {after:?}"))
 }
+
+/// A sysfs view longer than one read (sysfs hands out 4 KiB per call) is
+/// one snapshot, however the tables change between the reads: 100
+/// processes each holding a registration make `processes` over 5 KiB;
+/// after the first 4 KiB are read, a process listed in them ends; the rest
+/// of the file continues the same snapshot (every line whole, no process
+/// twice, the ended one still there).
+pub fn views_read_whole(ctx: &mut Ctx) -> Result<String, String> {
+    use std::io::Read;
+    const N: usize = 100;
+    let mut kids = Vec::new();
+    for _ in 0..N {
+        let kid = Child::fork(|side| {
+            let held = (|| {
+                let (g, core) = (Gpu::open().ok()?, Core::open().ok()?);
+                let a = g.alloc(0, 1 << 16).ok()?;
+                core.reg(a.va, 1 << 16, 0).ok()?;
+                Some((g, core, a))
+            })();
+            side.send(u64::from(held.is_some()));
+            side.wait_go();
+            0
+        })?;
+        ensure!(kid.recv()? == 1, "a child could not register");
+        kids.push(kid);
+    }
+    let path = "/sys/module/nvidia_peermem/stats/processes";
+    // Nothing changes until the first part is read: the snapshot is this.
+    let before = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let mut f = std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?;
+    let mut text = vec![0u8; 4096];
+    let n = f.read(&mut text).map_err(|e| format!("{path}: {e}"))?;
+    text.truncate(n);
+    let head = String::from_utf8_lossy(&text).into_owned();
+    let listed = |t: &str, pid: i32| t.lines().any(|l| l.starts_with(&format!("tgid={pid} ")));
+    let i = kids
+        .iter()
+        .position(|k| listed(&head, k.pid))
+        .ok_or("no child in the first 4 KiB")?;
+    let gone = kids.swap_remove(i);
+    let pid = gone.pid;
+    gone.go();
+    gone.wait();
+    wait_for(5, "the ended process's line", || {
+        !listed(&std::fs::read_to_string(path).unwrap_or_default(), pid)
+    })?;
+    f.read_to_end(&mut text)
+        .map_err(|e| format!("{path}: {e}"))?;
+    for k in kids {
+        k.go();
+        k.wait();
+    }
+    let all = String::from_utf8_lossy(&text).into_owned();
+    let tgids: Vec<&str> = all.lines().filter_map(|l| l.split(' ').next()).collect();
+    let mut unique = tgids.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    let whole = all.lines().all(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let num = |f: &str, k: &str| f.strip_prefix(k).is_some_and(|v| v.parse::<u64>().is_ok());
+        f.len() == 4
+            && num(f[0], "tgid=")
+            && f[1].starts_with("comm=")
+            && num(f[2], "live=")
+            && num(f[3], "pinned_bytes=")
+    });
+    ensure!(
+        n == 4096 && whole && unique.len() == tgids.len() && all == before,
+        "a {}-byte view read in two parts ({n} bytes first) is no one snapshot of the {} bytes before ({} lines, {} processes, every line whole: {whole}, the ended one {}): {:?}",
+        all.len(),
+        before.len(),
+        tgids.len(),
+        unique.len(),
+        if listed(&all, pid) { "listed" } else { "missing" },
+        all.lines().zip(before.lines()).find(|(a, b)| a != b)
+    );
+    let _ = ctx;
+    Ok(format!(
+        "{} bytes, {} processes, one snapshot",
+        all.len(),
+        tgids.len()
+    ))
+}

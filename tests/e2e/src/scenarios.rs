@@ -215,6 +215,11 @@ pub const ALL: &[Scenario] = &[
         run: hostile::probe_failures,
     },
     Scenario {
+        name: "views_read_whole",
+        applies: |c| ours(c) && c.mode == Mode::Persistent,
+        run: hostile::views_read_whole,
+    },
+    Scenario {
         name: "remap_counts_once",
         applies: |c| ours(c) && c.mode != Mode::Ofed4,
         run: hostile::remap_counts_once,
