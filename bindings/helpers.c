@@ -1,8 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 /*
- * C shim of nvidia_peermem: only kernel static inlines that Rust cannot reach,
- * and compile-time checks that the NVIDIA and peer-memory structs this module
- * reads have the x86_64 layout the Rust side was written against.
+ * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
+ * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
+ * device walks of the topology gate), the module parameters with their sysfs
+ * files, the views' sysfs attributes, the PCI bus notifier, the reads of
+ * the GPU driver's params file and of the hypervisor the kernel detected, and
+ * compile-time checks that the NVIDIA and peer-memory structs this module
+ * reads have the x86_64 layout the Rust side was written against. Policy
+ * stays in Rust.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -40,7 +45,7 @@ struct workqueue_struct *peermem_wq_alloc(void);
 void peermem_wq_destroy(struct workqueue_struct *wq);
 bool peermem_reap_kick(struct workqueue_struct *wq);
 struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
-void peermem_reap_run(void);	/* Rust, src/reaper.rs */
+void peermem_reap_run(void);	/* Rust, src/registration/revoke.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
 void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
@@ -104,10 +109,10 @@ module_param(allow_unverified_paths, int, 0444);
 MODULE_PARM_DESC(allow_unverified_paths, "0 [default]: where the GPU driver cannot be asked about a path (persistent pins refused: MIG, vGPU), the invalidating client applies the driver's topology rule to the platform it observes; 1: map every such path");
 static int pair_table_slots = 64;
 module_param(pair_table_slots, int, 0444);
-MODULE_PARM_DESC(pair_table_slots, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in debugfs paths; a pair without a slot is classified at each registration");
+MODULE_PARM_DESC(pair_table_slots, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in /sys/module/nvidia_peermem/stats/paths; a pair without a slot is classified at each registration");
 static int path_accounting = 1;
 module_param(path_accounting, int, 0444);
-MODULE_PARM_DESC(path_accounting, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (debugfs paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
+MODULE_PARM_DESC(path_accounting, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (/sys/module/nvidia_peermem/stats/paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
 
 /* The value of parameter @which, in the order of src/params.rs's Param. */
 int peermem_param(unsigned int which)
@@ -218,7 +223,7 @@ void peermem_wq_destroy(struct workqueue_struct *wq)
 
 /*
  * The module's one reap work: drops the references that free callbacks
- * handed over (src/reaper.rs). Queued on the module's queue, which the
+ * handed over (src/registration/revoke.rs). Queued on the module's queue, which the
  * module's exit drains.
  */
 static void peermem_reap_fn(struct work_struct *work)
@@ -234,7 +239,7 @@ bool peermem_reap_kick(struct workqueue_struct *wq)
 }
 
 /*
- * A PCI device lost its driver: its whole-BAR windows go (src/bar_window.rs).
+ * A PCI device lost its driver: its records go (src/accounting.rs).
  * UNBOUND_DRIVER comes after the driver's remove; this notifier runs before
  * DMA-API debug's (priority 0), which reports mappings left at that point.
  */
@@ -263,7 +268,7 @@ void peermem_unwatch_devices(void)
 /*
  * The operator's views, /sys/module/nvidia_peermem/stats/{counters,paths,
  * gpus,processes}: readable where debugfs is not (containers that mount only
- * /sys, kernel lockdown). Binary attributes, as a table can exceed a page:
+ * /sys; debugfs is root's alone). Binary attributes, as a table can exceed a page:
  * a read from the start renders the view for that open file, the following
  * reads copy from that rendering (src/views.rs).
  */
@@ -317,7 +322,7 @@ void peermem_views_remove(void)
 	debugfs_remove_recursive(peermem_debugfs);
 }
 
-/* The exact-size cache of registration objects (src/reg_ref.rs). */
+/* The exact-size cache of registration objects (src/registration/refs.rs). */
 struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align)
 {
 	return kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
 //! What is known and counted per (GPU, peer) pair, per GPU and per process,
-//! readable in debugfs (`paths`, `gpus`, `processes`).
+//! shown in sysfs (`stats/paths`, `stats/gpus`, `stats/processes`).
 //!
 //! Fixed tables of plain records under one kernel spinlock (`TABLES`), held
 //! for a short scan or update: a registration looks up its route and is
@@ -552,7 +552,7 @@ fn show_each<R: Copy, const N: usize>(
     Ok(())
 }
 
-/// debugfs `paths`.
+/// The `stats/paths` view.
 pub(crate) fn show_paths(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     show_each(
         f,
@@ -600,7 +600,7 @@ fn verdict_name(v: Verdict) -> &'static str {
     }
 }
 
-/// debugfs `gpus`.
+/// The `stats/gpus` view.
 pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     show_each(
         f,
@@ -622,7 +622,7 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
     )
 }
 
-/// debugfs `processes`. The name is the process's when the file is read;
+/// The `stats/processes` view. The name is the process's when the file is read;
 /// empty when it has exited (its registrations' pins wait for the GPU
 /// driver's free callback).
 pub(crate) fn show_processes(f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -41,9 +41,11 @@ unsafe fn write_dma(sg: *mut bindings::scatterlist, seg: Segment) -> Result {
 /// registration (the common case) needs no allocation for its table.
 pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
 
-// SAFETY: the slot is written only by `fill`, whose caller (the slot's
-// owner) serializes it with every use of the entry; it is read by the core
-// through the published header, and by nothing else.
+// SAFETY: the slot is written by `fill`, whose caller (the slot's owner)
+// serializes it with every use of the entry, and by the core through the
+// published header (OFED's first/last fix-up adjusts the entry's DMA address
+// and length); the module never reads it back (a mapping is undone from its
+// own record of what it mapped, `bar_map::RunIova`).
 unsafe impl Send for SgSlot {}
 // SAFETY: as above.
 unsafe impl Sync for SgSlot {}

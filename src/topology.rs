@@ -151,7 +151,7 @@ impl Route {
         let path = found.and_then(|_| classify(&chain, peer));
         let pair = path.and_then(|(p, iommu)| {
             let Some((pair, new)) = accounting::add_pair(chain.id, peer_id, p, iommu) else {
-                kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and debugfs paths does not show them\n");
+                kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and stats/paths does not show them\n");
                 return None;
             };
             if new {

@@ -3,8 +3,8 @@
 //! What the module shows operators, in sysfs under
 //! `/sys/module/nvidia_peermem/stats/`: `counters` (and the parameters),
 //! `paths` (per GPU/peer pair), `gpus` and `processes`. sysfs, not debugfs:
-//! containers mount `/sys` without debugfs, and kernel lockdown closes
-//! debugfs. The C shim declares the files; a read from the start renders
+//! containers mount `/sys` without debugfs, and debugfs is root's alone
+//! (`/sys/kernel/debug` is mode 0700). The C shim declares the files; a read from the start renders
 //! the view, and the reads that follow in the same open file copy from that
 //! rendering (sysfs hands out at most a page per read: a view rendered
 //! again per read would come out torn when the tables change between).
