@@ -146,16 +146,26 @@ fn late_binding_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     };
     ensure!(waiting() == want, "after {held}: waiting_for {}", waiting());
     let bound = logged(&mark, &format!("bound to module {held}; waiting for "))?;
-    ensure!(!module::rmmod(held)?, "rmmod {held} allowed while bound to it");
+    ensure!(
+        !module::rmmod(held)?,
+        "rmmod {held} allowed while bound to it"
+    );
     if gpu_first {
         load_core(ctx)?;
     } else {
         load_gpu_driver(ctx, &[], style)?;
     }
-    ensure!(waiting() == "nothing", "after both: waiting_for {}", waiting());
+    ensure!(
+        waiting() == "nothing",
+        "after both: waiting_for {}",
+        waiting()
+    );
     let registered = logged(&mark, "registered with the peer-memory core: nv_mem")?;
     let v = module::peer_stat("nv_mem", "version");
-    ensure!(v.is_some(), "memory_peers/nv_mem/version missing after both arrived");
+    ensure!(
+        v.is_some(),
+        "memory_peers/nv_mem/version missing after both arrived"
+    );
     let moved = traffic(ctx)?;
     Ok(format!("\"{first}\" \"{bound}\" \"{registered}\" {moved}"))
 }
@@ -181,17 +191,31 @@ fn driver_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
             &mark,
             &format!("refused the GPU driver in module nv_p2p_emu: version '{shown}'"),
         )?);
-        ensure!(waiting() == "gpu-driver", "{bad}: waiting_for {}", waiting());
+        ensure!(
+            waiting() == "gpu-driver",
+            "{bad}: waiting_for {}",
+            waiting()
+        );
         ensure!(
             module::peer_stat("nv_mem", "version").is_none(),
             "{bad}: nv_mem registered"
         );
-        ensure!(module::rmmod("nv_p2p_emu")?, "{bad}: the refused driver is held");
+        ensure!(
+            module::rmmod("nv_p2p_emu")?,
+            "{bad}: the refused driver is held"
+        );
     }
     let mark = LogMark::new();
     load_gpu_driver(ctx, &[], style)?;
-    ensure!(waiting() == "nothing", "after 550: waiting_for {}", waiting());
-    lines.push(logged(&mark, "registered with the peer-memory core: nv_mem")?);
+    ensure!(
+        waiting() == "nothing",
+        "after 550: waiting_for {}",
+        waiting()
+    );
+    lines.push(logged(
+        &mark,
+        "registered with the peer-memory core: nv_mem",
+    )?);
     let moved = traffic(ctx)?;
     Ok(format!("\"{}\" {moved}", lines.join("\" \"")))
 }
