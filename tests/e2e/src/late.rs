@@ -88,10 +88,17 @@ fn load_gpu_driver(ctx: &Ctx, args: &[&str], style: &str) -> Result<(), String> 
     module::debugfs_write(MAP_STYLE, style)
 }
 
+/// Loads the core in the variant of the mode, with `args`.
+fn load_core_with(ctx: &Ctx, args: &[&str]) -> Result<(), String> {
+    let variant = format!("variant={}", ctx.mode.core_variant());
+    let mut all = vec![variant.as_str()];
+    all.extend(args);
+    module::insmod(&core_ko(ctx), &all)
+}
+
 /// Loads the core in the variant of the mode.
 fn load_core(ctx: &Ctx) -> Result<(), String> {
-    let variant = format!("variant={}", ctx.mode.core_variant());
-    module::insmod(&core_ko(ctx), &[&variant])
+    load_core_with(ctx, &[])
 }
 
 /// Opens both again, settles the module, and moves bytes through an MR
@@ -218,4 +225,43 @@ fn driver_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     )?);
     let moved = traffic(ctx)?;
     Ok(format!("\"{}\" {moved}", lines.join("\" \"")))
+}
+
+/// A core that takes the invalidating client without writing its
+/// invalidate hook (it could never revoke) is refused: arriving late, the
+/// clients are unregistered and `waiting_for` says `core-refused`; present at
+/// load, the load fails with `EPROTO`; once the core writes its hook, the
+/// module registers.
+pub(crate) fn late_binding_core_check(ctx: &mut Ctx) -> Result<String, String> {
+    unloaded(ctx, core_check_run)
+}
+
+fn core_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
+    const NO_HOOK: &str = "/sys/module/peer_mem_core/parameters/no_invalidate_hook";
+    const REFUSED: &str = "registered the invalidating client without an invalidate hook: refused";
+    load_gpu_driver(ctx, &[], style)?;
+    let mark = LogMark::new();
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    load_core_with(ctx, &["no_invalidate_hook=1"])?;
+    let late = logged(&mark, REFUSED)?;
+    logged(&mark, "bound to module peer_mem_core, but registering the clients failed")?;
+    ensure!(waiting() == "core-refused", "late: waiting_for {}", waiting());
+    ensure!(
+        module::peer_stat("nv_mem", "version").is_none(),
+        "late: nv_mem left registered"
+    );
+    ensure!(module::rmmod("nvidia_peermem")?, "rmmod nvidia_peermem refused");
+    let mark = LogMark::new();
+    match module::insmod(&ctx.opts.peermem, &ctx.mode.params()) {
+        Ok(()) => return Err("loaded on a core that wrote no invalidate hook".into()),
+        Err(e) => ensure!(e.contains("Protocol error"), "load: {e}, expected EPROTO"),
+    }
+    let at_load = logged(&mark, REFUSED)?;
+    module::debugfs_write(NO_HOOK, "0")?;
+    let mark = LogMark::new();
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    let registered = logged(&mark, "loaded: nv_mem")?;
+    ensure!(waiting() == "nothing", "waiting_for {}", waiting());
+    let moved = traffic(ctx)?;
+    Ok(format!("\"{late}\" \"{at_load}\" \"{registered}\" {moved}"))
 }

@@ -185,6 +185,11 @@ pub const ALL: &[Scenario] = &[
         run: crate::late::late_binding_driver_check,
     },
     Scenario {
+        name: "late_binding_core_check",
+        applies: ours_invalidating_any,
+        run: crate::late::late_binding_core_check,
+    },
+    Scenario {
         name: "pair_table_full",
         applies: ours,
         run: pair_table_full,
