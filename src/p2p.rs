@@ -18,9 +18,7 @@ use kernel::{
 };
 
 use crate::{
-    compat,
-    exports,
-    ffi,
+    compat, exports, ffi,
     range::{
         GpuRange,
         GPU_PAGE_SIZE, //

@@ -244,13 +244,23 @@ fn core_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
     load_core_with(ctx, &["no_invalidate_hook=1"])?;
     let late = logged(&mark, REFUSED)?;
-    logged(&mark, "bound to module peer_mem_core, but registering the clients failed")?;
-    ensure!(waiting() == "core-refused", "late: waiting_for {}", waiting());
+    logged(
+        &mark,
+        "bound to module peer_mem_core, but registering the clients failed",
+    )?;
+    ensure!(
+        waiting() == "core-refused",
+        "late: waiting_for {}",
+        waiting()
+    );
     ensure!(
         module::peer_stat("nv_mem", "version").is_none(),
         "late: nv_mem left registered"
     );
-    ensure!(module::rmmod("nvidia_peermem")?, "rmmod nvidia_peermem refused");
+    ensure!(
+        module::rmmod("nvidia_peermem")?,
+        "rmmod nvidia_peermem refused"
+    );
     let mark = LogMark::new();
     match module::insmod(&ctx.opts.peermem, &ctx.mode.params()) {
         Ok(()) => return Err("loaded on a core that wrote no invalidate hook".into()),
