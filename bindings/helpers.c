@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 /*
  * C shim of nvidia_peermem: only kernel static inlines that Rust cannot reach,
- * and compile-time checks that the NVIDIA and peer-memory structs this module
- * reads have the x86_64 layout the Rust side was written against.
+ * the walk of a module's export table (late binding: a kernel-internal
+ * struct), and compile-time checks that the NVIDIA and peer-memory structs
+ * this module reads have the x86_64 layout the Rust side was written against.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -342,6 +343,8 @@ void peermem_views_remove(void)
  * not exported), later ones through a module notifier at MODULE_STATE_LIVE.
  * One mutex serialises the offers (the notifier chain runs callbacks
  * concurrently for modules going live together); Rust's state relies on it.
+ * The notifier takes it around its call into Rust, so both sit here: static
+ * C objects, live before the first offer, with nothing to pin.
  */
 static DEFINE_MUTEX(peermem_bind_mutex);
 
