@@ -21,6 +21,7 @@ use kernel::{
 use kernel::sync::atomic::Relaxed;
 
 use crate::{
+    compat,
     core_link,
     exports,
     ffi,
@@ -130,7 +131,7 @@ impl CoreRegistration {
             // that did not cannot revoke: refused (and unregistered on drop).
             if !l.hook_written() {
                 pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
-                return Err(EPROTO);
+                return Err(compat::eproto());
             }
             l.publish(handle.as_ptr());
         }
