@@ -3,9 +3,10 @@
  * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
  * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
  * device walks of the topology gate), the module parameters with their sysfs
- * files, the views' sysfs attributes, the PCI bus notifier, the reads of
- * the GPU driver's params file and of the hypervisor the kernel detected, and
- * compile-time checks that the NVIDIA and peer-memory structs this module
+ * files, the views' sysfs attributes, the PCI bus and module notifiers, the
+ * reads of the GPU driver's params file and of the hypervisor the kernel
+ * detected, the walk of a module's export table (late binding: a kernel-internal
+ * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
  * reads have the x86_64 layout the Rust side was written against. Policy
  * stays in Rust.
  */
@@ -16,7 +17,10 @@
 #include <linux/dmi.h>
 #include <linux/fs.h>
 #include <linux/iommu.h>
+#include <linux/kobject.h>
+#include <linux/module.h>
 #include <linux/moduleparam.h>
+#include <linux/mutex.h>
 #include <linux/dynamic_debug.h>
 #include <linux/dma-mapping.h>
 #include <linux/pci.h>
@@ -33,6 +37,8 @@
 #endif
 #include "nv-p2p.h"
 #include "peer_mem.h"
+/* The loader's struct kernel_symbol and kernel_symbol_value (late binding). */
+#include <../kernel/module/internal.h>
 
 struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg);
 bool peermem_dbg(const char *msg);
@@ -87,6 +93,13 @@ int peermem_views_add(void);
 void peermem_views_remove(void);
 ssize_t peermem_view_read(unsigned int which, uintptr_t reader, char *buf, loff_t off,
 			  size_t count);	/* Rust, src/views.rs */
+void peermem_module_live(struct module *mod);	/* Rust, src/binding.rs */
+void peermem_bind_lock(void);
+void peermem_bind_unlock(void);
+void *peermem_module_export(struct module *mod, const char *name);
+struct module *peermem_exporter(const char *name);
+int peermem_watch_modules(void);
+void peermem_unwatch_modules(void);
 
 /*
  * The module's parameters, with NVIDIA's names and meanings (560+). Declared
@@ -267,7 +280,7 @@ void peermem_unwatch_devices(void)
 
 /*
  * The operator's views, /sys/module/nvidia_peermem/stats/{counters,paths,
- * gpus,processes}: readable where debugfs is not (containers that mount only
+ * gpus,processes,waiting_for}: readable where debugfs is not (containers that mount only
  * /sys; debugfs is root's alone). Binary attributes, as a table can exceed a page:
  * a read from the start renders the view for that open file, the following
  * reads copy from that rendering (src/views.rs).
@@ -289,10 +302,11 @@ PEERMEM_VIEW(counters, 0);
 PEERMEM_VIEW(paths, 1);
 PEERMEM_VIEW(gpus, 2);
 PEERMEM_VIEW(processes, 3);
+PEERMEM_VIEW(waiting_for, 4);
 
 static const struct bin_attribute *const peermem_views[] = {
 	&peermem_view_counters, &peermem_view_paths, &peermem_view_gpus,
-	&peermem_view_processes, NULL,
+	&peermem_view_processes, &peermem_view_waiting_for, NULL,
 };
 
 static const struct attribute_group peermem_views_group = {
@@ -320,6 +334,107 @@ void peermem_views_remove(void)
 {
 	sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
 	debugfs_remove_recursive(peermem_debugfs);
+}
+
+/*
+ * Late binding (src/binding.rs): the peer-memory core's and the GPU driver's
+ * entry points are taken from whichever module exports them, when it is live,
+ * not linked at load. symbol_get() cannot do it: since 6.5 it takes only
+ * EXPORT_SYMBOL_GPL symbols (__symbol_get, kernel/module/main.c), and both
+ * export theirs with EXPORT_SYMBOL; the loader's find_symbol() and module
+ * list are not exported. So the shim reads a live module's export table
+ * itself, with the loader's own struct kernel_symbol (PREL32 offsets; a
+ * kernel-internal header Rust cannot include). Modules loaded before this one
+ * are found through /sys/module (the kset of our own kobject: module_kset is
+ * not exported), later ones through a module notifier at MODULE_STATE_LIVE.
+ * One mutex serialises the offers (the notifier chain runs callbacks
+ * concurrently for modules going live together); Rust's state relies on it.
+ * The notifier takes it around its call into Rust, so both sit here: static
+ * C objects, live before the first offer, with nothing to pin.
+ */
+static DEFINE_MUTEX(peermem_bind_mutex);
+
+void peermem_bind_lock(void)
+{
+	mutex_lock(&peermem_bind_mutex);
+}
+
+void peermem_bind_unlock(void)
+{
+	mutex_unlock(&peermem_bind_mutex);
+}
+
+static const char *peermem_symbol_name(const struct kernel_symbol *sym)
+{
+#ifdef CONFIG_HAVE_ARCH_PREL32_RELOCATIONS
+	return offset_to_ptr(&sym->name_offset);
+#else
+	return sym->name;
+#endif
+}
+
+/* The address @mod exports as @name, or NULL. @mod must stay (a reference). */
+void *peermem_module_export(struct module *mod, const char *name)
+{
+	unsigned int i;
+
+	for (i = 0; i < mod->num_syms; i++)
+		if (!strcmp(peermem_symbol_name(&mod->syms[i]), name))
+			return (void *)kernel_symbol_value(&mod->syms[i]);
+	return NULL;
+}
+
+/*
+ * The live module (not this one) that exports @name, with a reference
+ * (module_put), or NULL. Under the kset's lock a listed module's kobject is
+ * not released, and free_module() waits for that release: the module stays
+ * until try_module_get() succeeds or not.
+ */
+struct module *peermem_exporter(const char *name)
+{
+	struct kset *kset = THIS_MODULE->mkobj.kobj.kset;
+	const struct kobj_type *ktype = THIS_MODULE->mkobj.kobj.ktype;
+	struct module *found = NULL;
+	struct kobject *k;
+
+	spin_lock(&kset->list_lock);
+	list_for_each_entry(k, &kset->list, entry) {
+		struct module *mod = container_of(k, struct module_kobject, kobj)->mod;
+
+		if (k->ktype != ktype || !mod || mod == THIS_MODULE ||
+		    READ_ONCE(mod->state) != MODULE_STATE_LIVE || !peermem_module_export(mod, name))
+			continue;
+		if (try_module_get(mod))
+			found = mod;
+		break;
+	}
+	spin_unlock(&kset->list_lock);
+	return found;
+}
+
+static int peermem_module_event(struct notifier_block *nb, unsigned long state, void *data)
+{
+	if (state != MODULE_STATE_LIVE || data == THIS_MODULE)
+		return NOTIFY_DONE;
+	peermem_bind_lock();
+	peermem_module_live(data);
+	peermem_bind_unlock();
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block peermem_module_nb = {
+	.notifier_call = peermem_module_event,
+};
+
+int peermem_watch_modules(void)
+{
+	return register_module_notifier(&peermem_module_nb);
+}
+
+/* Returns once no notification runs. */
+void peermem_unwatch_modules(void)
+{
+	unregister_module_notifier(&peermem_module_nb);
 }
 
 /* The exact-size cache of registration objects (src/registration/refs.rs). */

@@ -21,7 +21,9 @@ use kernel::{
 use kernel::sync::atomic::Relaxed;
 
 use crate::{
+    compat,
     core_link,
+    exports,
     ffi,
     peer_device::PeerDevice,
     registration::{
@@ -112,25 +114,40 @@ impl CoreRegistration {
         table: &'static ClientTable,
         link: Option<&'static core_link::CoreLink>,
     ) -> Result<Self> {
+        let core = exports::CORE.get().ok_or(ENODEV)?;
+        let register = core.register_client.ok_or(ENODEV)?;
         let slot = link.map_or(core::ptr::null_mut(), |l| l.hook_slot());
-        // SAFETY: `table` is 'static; `slot` is NULL or a 'static slot.
-        let handle = unsafe { ffi::ib_register_peer_memory_client(&table.0.client, slot) };
+        // SAFETY: the core's bound entry point; `table` is 'static; `slot`
+        // is NULL or a 'static slot.
+        let handle = unsafe { register(&table.0.client, slot) };
         let handle = NonNull::new(handle).ok_or_else(|| {
             pr_err!("the peer-memory core refused a client (a client of this name already registered?)\n");
             EBUSY
         })?;
+        // INVARIANT: returned by the core for `table`.
+        let this = Self { handle, link };
         if let Some(l) = link {
+            // A core that takes an invalidating client writes its hook; one
+            // that did not cannot revoke: refused (and unregistered on drop).
+            if !l.hook_written() {
+                pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
+                return Err(compat::eproto());
+            }
             l.publish(handle.as_ptr());
         }
-        // INVARIANT: returned by the core for `table`.
-        Ok(Self { handle, link })
+        Ok(this)
     }
 }
 
 impl Drop for CoreRegistration {
     fn drop(&mut self) {
-        // SAFETY: registered in `new` (type invariant), unregistered once.
-        unsafe { ffi::ib_unregister_peer_memory_client(self.handle.as_ptr()) };
+        // Bound before `new` registered, never unbound while registered.
+        let Some(unregister) = exports::CORE.get().and_then(|c| c.unregister_client) else {
+            return;
+        };
+        // SAFETY: the core's bound entry point; registered in `new` (type
+        // invariant), unregistered once.
+        unsafe { unregister(self.handle.as_ptr()) };
         if let Some(l) = self.link {
             l.retract();
         }

@@ -8,8 +8,8 @@
 //!
 //! - 7.3 has `kernel::module::this_module`; 7.2 only the C symbol.
 //! - 7.3 has `Task::tgid`; 7.2 reaches it through the group leader.
-//! - 7.3 names `EOPNOTSUPP` in `kernel::error::code`; 7.2 does not (and has
-//!   no public `const` constructor for an `Error`).
+//! - 7.3 names `EOPNOTSUPP` and `EPROTO` in `kernel::error::code`; 7.2 does
+//!   not (and has no public `const` constructor for an `Error`).
 //! - 7.3's pin-init initializes raw memory through `raw_try_init` (its
 //!   `PinInit::__pinned_init` is gone), 7.2's through `__pinned_init`
 //!   (probe `peermem_raw_try_init`).
@@ -76,6 +76,11 @@ impl kernel::fmt::Display for Process {
 /// `-EOPNOTSUPP`.
 pub(crate) fn eopnotsupp() -> Error {
     Error::from_errno(-(bindings::EOPNOTSUPP as i32))
+}
+
+/// `-EPROTO`.
+pub(crate) fn eproto() -> Error {
+    Error::from_errno(-(bindings::EPROTO as i32))
 }
 
 /// Initializes the pinned value at `slot` with `init`.

@@ -42,6 +42,15 @@ impl CoreLink {
         self.hook.get()
     }
 
+    /// Whether the core wrote its hook (during registration, before
+    /// [`CoreLink::publish`]).
+    pub(crate) fn hook_written(&self) -> bool {
+        // SAFETY: read by the registering thread after the core returned,
+        // before the handle is published: no write races it (type
+        // invariants).
+        unsafe { (*self.hook.get()).is_some() }
+    }
+
     /// Publishes the core's handle once registration returned it.
     pub(crate) fn publish(&self, handle: *mut c_void) {
         self.handle.store(handle as usize, Release);

@@ -18,7 +18,7 @@ use kernel::{
 };
 
 use crate::{
-    compat, ffi,
+    compat, exports, ffi,
     range::{
         GpuRange,
         GPU_PAGE_SIZE, //
@@ -159,6 +159,15 @@ impl Drop for CallbackFence {
     }
 }
 
+/// The GPU driver's entry points: bound before any client registers, so
+/// `ENODEV` only for a call made before (none is). Each is the function the
+/// driver exports under the name `nv-p2p.h` declares it with, its type the
+/// header's (`binding` checks the driver before publishing them).
+#[inline]
+fn api() -> Result<&'static ffi::peermem_p2p_api> {
+    exports::P2P.get().ok_or(ENODEV)
+}
+
 /// A provider return code as a result (see [`provider_error`]).
 fn provider_result(rc: i32) -> Result {
     match rc {
@@ -178,8 +187,9 @@ fn made<T, U>(rc: i32, p: *mut T, token: fn(NonNull<T>) -> U) -> Result<U> {
 /// Pins `range` without a free callback; the pages stay until unpinned.
 pub(crate) fn get_pages_persistent(range: &GpuRange) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
+    let f = api()?.get_pages_persistent.ok_or(ENODEV)?;
     // SAFETY: `pt` is a valid out-pointer; the provider validates the range.
-    let rc = unsafe { ffi::nvidia_p2p_get_pages_persistent(range.start, range.len, &mut pt, 0) };
+    let rc = unsafe { f(range.start, range.len, &mut pt, 0) };
     made(rc, pt, PageTable)
 }
 
@@ -201,11 +211,10 @@ pub(crate) unsafe fn get_pages(
     data: *mut c_void,
 ) -> Result<PageTable> {
     let mut pt = core::ptr::null_mut();
+    let f = api()?.get_pages.ok_or(ENODEV)?;
     // SAFETY: `pt` is a valid out-pointer; the callback may be called with
     // `data` (caller).
-    let rc = unsafe {
-        ffi::nvidia_p2p_get_pages(0, 0, range.start, range.len, &mut pt, Some(callback), data)
-    };
+    let rc = unsafe { f(0, 0, range.start, range.len, &mut pt, Some(callback), data) };
     made(rc, pt, PageTable)
 }
 
@@ -303,9 +312,10 @@ impl PageTable {
     /// The table must have been pinned by [`get_pages`] for `range`, and not
     /// unpinned before.
     pub(crate) unsafe fn put(self, range: &GpuRange) -> Result {
+        let f = api()?.put_pages.ok_or(ENODEV)?;
         // SAFETY: per the caller's guarantee; the provider only compares the
         // pointer with its live tables.
-        let rc = unsafe { ffi::nvidia_p2p_put_pages(0, 0, range.start, self.0.as_ptr()) };
+        let rc = unsafe { f(0, 0, range.start, self.0.as_ptr()) };
         provider_result(rc)
     }
 
@@ -316,8 +326,9 @@ impl PageTable {
     /// The table must have been pinned by [`get_pages_persistent`] for
     /// `range`, and not unpinned before.
     pub(crate) unsafe fn put_persistent(self, range: &GpuRange) -> Result {
+        let f = api()?.put_pages_persistent.ok_or(ENODEV)?;
         // SAFETY: per the caller's guarantee.
-        let rc = unsafe { ffi::nvidia_p2p_put_pages_persistent(range.start, self.0.as_ptr(), 0) };
+        let rc = unsafe { f(range.start, self.0.as_ptr(), 0) };
         provider_result(rc)
     }
 
@@ -328,8 +339,9 @@ impl PageTable {
     /// The table must still be valid and `peer` a live PCI device.
     pub(crate) unsafe fn dma_map(&self, peer: *mut pci_dev) -> Result<DmaMapping> {
         let mut m = core::ptr::null_mut();
+        let f = api()?.dma_map_pages.ok_or(ENODEV)?;
         // SAFETY: per the caller's guarantee; `m` is a valid out-pointer.
-        let rc = unsafe { ffi::nvidia_p2p_dma_map_pages(peer, self.0.as_ptr(), &mut m) };
+        let rc = unsafe { f(peer, self.0.as_ptr(), &mut m) };
         made(rc, m, DmaMapping)
     }
 
@@ -340,8 +352,9 @@ impl PageTable {
     /// The table and the mapping must still be valid (no free callback can
     /// have run), and `peer` must be the device the mapping was made for.
     pub(crate) unsafe fn dma_unmap(&self, peer: *mut pci_dev, m: DmaMapping) -> Result {
+        let f = api()?.dma_unmap_pages.ok_or(ENODEV)?;
         // SAFETY: per the caller's guarantee.
-        let rc = unsafe { ffi::nvidia_p2p_dma_unmap_pages(peer, self.0.as_ptr(), m.0.as_ptr()) };
+        let rc = unsafe { f(peer, self.0.as_ptr(), m.0.as_ptr()) };
         provider_result(rc)
     }
 }

@@ -33,16 +33,18 @@ mod device_map;
 mod peer_device;
 mod provider_map;
 mod topology;
+// the entry points bound at run time
+mod exports;
 // the core's link, the registration, the clients
 mod client;
 mod core_link;
 mod registration;
+// late binding to the core and the GPU driver
+mod binding;
 // what operators read
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;
 mod views;
-
-use client::CoreRegistration;
 
 module! {
     type: NvidiaPeermem,
@@ -67,70 +69,54 @@ static MODINFO_VERSION: [u8; MODINFO.len()] = *MODINFO.as_bytes().first_chunk().
 
 const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 
-/// The module: its core registrations and its files in sysfs.
+/// The module: its binding to the core and the GPU driver, its core
+/// registrations and its files in sysfs.
 ///
-/// Fields drop in declaration order: the clients unregister first (the core
-/// waits for their registrations, which hold module references, so none is
-/// left), then the free callbacks still returning are waited for (through the
-/// GPU driver's lock, see [`p2p::CallbackFence`]), then the reap queue drains
-/// (a free callback's last drop may still be returning from its work), then
-/// the statistics go.
+/// Fields drop in declaration order: the module notifier goes, the clients
+/// unregister (the core waits for their registrations, which hold module
+/// references, so none is left), then the free callbacks still returning are
+/// waited for (through the GPU driver's lock, see [`p2p::CallbackFence`]),
+/// all in [`binding::Binding`]; then the reap queue drains (a free
+/// callback's last drop may still be returning from its work), then the
+/// statistics go, and last the references to the core's and the GPU
+/// driver's modules.
 struct NvidiaPeermem {
     // First: the views read the tables and counters of everything below.
     _views: views::Views,
-    _clients: KVec<CoreRegistration>,
-    // After the clients: no callback can be armed; before the reaper: the
-    // callbacks that handed it references have returned.
-    _callbacks: Option<p2p::CallbackFence>,
+    // After the views: no callback can be armed once it is gone; before the
+    // reaper: the callbacks that handed it references have returned.
+    _binding: binding::Binding,
     _reaper: registration::refs::ReapQueue,
     // After the clients and the reaper: no registration is charged any more.
     _watch: accounting::Watch,
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
     _cache: registration::RegCache,
-}
-
-/// Registers the clients of the mode the parameters chose; returns them and
-/// their description for the log.
-fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
-    let (table, text) = match (persistent, legacy) {
-        (true, _) => (&client::NV_MEM_PERSISTENT, "nv_mem (persistent)"),
-        (false, true) => (
-            &client::NV_MEM_INVALIDATING_LEGACY,
-            "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
-        ),
-        (false, false) => (
-            &client::NV_MEM_INVALIDATING,
-            "nv_mem (invalidating), nv_mem_nc (persistent)",
-        ),
-    };
-    let link = (!persistent).then_some(&core_link::INVALIDATING);
-    let mut clients = KVec::new();
-    clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
-    if !persistent {
-        clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
-    }
-    Ok((clients, text))
+    // Last: nothing calls the core or the GPU driver any more.
+    _exporters: binding::Exporters,
 }
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
         let (persistent, legacy) = params::load()?;
+        // First: on a failed load, dropped last.
+        let exporters = binding::Exporters::new(persistent, legacy);
         let cache = registration::RegCache::new::<registration::Registration>()?;
         let reaper = registration::refs::ReapQueue::new()?;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;
-        let (clients, text) = clients(persistent, legacy)?;
-        pr_info!("version {} loaded: {text}\n", env!("PEERMEM_VERSION"));
+        // Binds what is loaded, registers if both are, says what it waits
+        // for.
+        let binding = binding::Binding::new()?;
         Ok(Self {
             _views: views,
-            _clients: clients,
-            _callbacks: (!persistent).then(p2p::CallbackFence::new),
+            _binding: binding,
             _reaper: reaper,
             _watch: watch,
             _waitq: waitq,
             _cache: cache,
+            _exporters: exporters,
         })
     }
 }

@@ -2,7 +2,9 @@
 
 //! What the module shows operators, in sysfs under
 //! `/sys/module/nvidia_peermem/stats/`: `counters` (and the parameters),
-//! `paths` (per GPU/peer pair), `gpus` and `processes`. sysfs, not debugfs:
+//! `paths` (per GPU/peer pair), `gpus`, `processes` and `waiting_for` (one
+//! value: what the module waits for before its clients register). sysfs, not
+//! debugfs:
 //! containers mount `/sys` without debugfs, and debugfs is root's alone
 //! (`/sys/kernel/debug` is mode 0700). The C shim declares the files; a read from the start renders
 //! the view, and the reads that follow in the same open file copy from that
@@ -21,17 +23,19 @@ use kernel::{
 
 use crate::{
     accounting,
+    binding,
     ffi,
     params,
     stats, //
 };
 
 /// The views, in the C shim's order (`PEERMEM_VIEW`).
-const VIEWS: [fn(&mut fmt::Formatter<'_>) -> fmt::Result; 4] = [
+const VIEWS: [fn(&mut fmt::Formatter<'_>) -> fmt::Result; 5] = [
     counters,
     accounting::show_paths,
     accounting::show_gpus,
     accounting::show_processes,
+    binding::show_waiting,
 ];
 
 /// `counters`: the counters, and the parameters (also in

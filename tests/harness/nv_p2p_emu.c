@@ -89,6 +89,15 @@ static unsigned int page_table_version = 0x00010002;
 module_param(page_table_version, uint, 0444);
 MODULE_PARM_DESC(page_table_version, "nvidia_p2p_page_table.version to report: 0x00010002 (<=575), 0x00020000 (580+), or anything to test refusals");
 
+/*
+ * nvidia.ko's MODULE_VERSION(NV_VERSION_STRING): nvidia_peermem checks it when
+ * it binds (src/binding.rs). The headers the harness builds with are 550's.
+ */
+MODULE_VERSION("550.163.01");
+static char *driver_version;
+module_param(driver_version, charp, 0444);
+MODULE_PARM_DESC(driver_version, "the version= to present instead of 550.163.01, to test nvidia_peermem's check of it; \"none\": no version");
+
 static unsigned int dma_mapping_version = NVIDIA_P2P_DMA_MAPPING_VERSION;
 module_param(dma_mapping_version, uint, 0444);
 MODULE_PARM_DESC(dma_mapping_version, "nvidia_p2p_dma_mapping.version to report");
@@ -1756,6 +1765,13 @@ static int __init emu_init(void)
 	if (coherent && page_table_version >> 16 < 2) {
 		pr_err("coherent GPUs need page table version 2 (580+), not %#x\n", page_table_version);
 		return -EINVAL;
+	}
+	/* Before the module goes live, when nvidia_peermem reads it. */
+	if (driver_version) {
+		const char *v = strcmp(driver_version, "none") ? kstrdup(driver_version, GFP_KERNEL) : NULL;
+
+		kfree(THIS_MODULE->version);
+		THIS_MODULE->version = v;
 	}
 	race_wq = alloc_workqueue("nv_p2p_emu_race", WQ_UNBOUND, 0);
 	if (!race_wq)

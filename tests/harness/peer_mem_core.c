@@ -164,6 +164,11 @@ module_param(cross_clients, bool, 0644);
 MODULE_PARM_DESC(cross_clients,
 		 "call each new umem through another client's table than the acquiring one (a broken core)");
 
+static bool no_invalidate_hook;
+module_param(no_invalidate_hook, bool, 0644);
+MODULE_PARM_DESC(no_invalidate_hook,
+		 "a core that takes an invalidating client without writing its invalidate hook (tests of nvidia_peermem's check)");
+
 static bool memlock_ignore_cap;
 module_param(memlock_ignore_cap, bool, 0644);
 MODULE_PARM_DESC(memlock_ignore_cap,
@@ -510,7 +515,8 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 			c->unmaps = true;
 	}
 	if (invalidate_callback) {
-		*invalidate_callback = ib_invalidate_peer_memory;
+		if (!no_invalidate_hook)
+			*invalidate_callback = ib_invalidate_peer_memory;
 		c->invalidation_required = true;
 	}
 

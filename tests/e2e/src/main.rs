@@ -12,6 +12,7 @@ mod bench;
 mod demo;
 mod dev;
 mod hostile;
+mod late;
 mod module;
 mod node;
 mod paths;
@@ -50,7 +51,7 @@ impl Mode {
         }
     }
 
-    fn params(self) -> Vec<&'static str> {
+    pub(crate) fn params(self) -> Vec<&'static str> {
         match self {
             Mode::Persistent => vec!["persistent_api_support=1"],
             Mode::Invalidating => vec!["persistent_api_support=0"],
@@ -72,7 +73,7 @@ impl Mode {
     }
 
     /// The peer_mem_core variant this mode runs on.
-    fn core_variant(self) -> &'static str {
+    pub(crate) fn core_variant(self) -> &'static str {
         if self == Mode::Ofed4 {
             "1"
         } else {

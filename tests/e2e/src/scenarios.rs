@@ -175,6 +175,21 @@ pub const ALL: &[Scenario] = &[
         run: gpu_rebind,
     },
     Scenario {
+        name: "late_binding",
+        applies: ours,
+        run: crate::late::late_binding,
+    },
+    Scenario {
+        name: "late_binding_driver_check",
+        applies: ours,
+        run: crate::late::late_binding_driver_check,
+    },
+    Scenario {
+        name: "late_binding_core_check",
+        applies: ours_invalidating_any,
+        run: crate::late::late_binding_core_check,
+    },
+    Scenario {
         name: "pair_table_full",
         applies: ours,
         run: pair_table_full,

@@ -67,7 +67,7 @@ fn locked_down() -> Result<String, String> {
         "lockdown is off: {}",
         lockdown.trim()
     );
-    for view in ["counters", "paths", "gpus", "processes"] {
+    for view in ["counters", "paths", "gpus", "processes", "waiting_for"] {
         let f = format!("/sys/module/nvidia_peermem/stats/{view}");
         let mode = std::fs::metadata(&f).map_err(|e| format!("{f}: {e}"))?;
         ensure!(

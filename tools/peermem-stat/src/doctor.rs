@@ -21,6 +21,19 @@ use crate::{
 
 pub const KMSG: &str = "/dev/kmsg";
 const NV_MEM: &str = "/sys/kernel/mm/memory_peers/nv_mem";
+/// What a loaded peermem-rs waits for before its clients register (late
+/// binding): `nothing`, `core`, `gpu-driver`, `core,gpu-driver`, or
+/// `core-refused`.
+const WAITING_FOR: &str = "/sys/module/nvidia_peermem/stats/waiting_for";
+const LOAD_CORE: &str = "load the peer-memory core (modprobe ib_uverbs, which loads ib_core; MLNX_OFED or \
+     DOCA-OFED: /etc/init.d/openibd start): nvidia_peermem binds it and registers by itself when it goes \
+     live; if the core has no peer-memory API (upstream or Debian kernel without OFED), install MLNX_OFED \
+     or DOCA-OFED, use an Ubuntu kernel, or use dma-buf";
+const LOAD_GPU: &str = "load the GPU driver (modprobe nvidia): nvidia_peermem binds it by itself when it goes \
+     live; a driver it refused is named in the kernel log (\"refused the GPU driver\": R470 or later)";
+const LOAD_BOTH: &str = "load the GPU driver (modprobe nvidia) and the peer-memory core (modprobe ib_uverbs; \
+     MLNX_OFED or DOCA-OFED: /etc/init.d/openibd start): nvidia_peermem binds each and registers by itself \
+     when both are live; the kernel log names a module it refused";
 /// The kernel's lockdown state ("none [integrity] confidentiality").
 const LOCKDOWN: &str = "/sys/kernel/security/lockdown";
 /// Y when module signatures are enforced (module.sig_enforce=1).
@@ -247,7 +260,9 @@ impl Report {
         // nothing about another module's.
         let (core, nv_mem) = (sys.exists(PEERS_DIR), sys.exists(NV_MEM));
         let ours = s.implementation == Some("peermem-rs");
-        if !nv_mem && (core || s.implementation == Some("other")) {
+        if self.waiting(sys) {
+            // Said: the module is not registered because it waits.
+        } else if !nv_mem && (core || s.implementation == Some("other")) {
             self.add(
                 "client-not-registered",
                 format!(
@@ -343,6 +358,46 @@ impl Report {
                  nvidia-smi lists the processes holding GPU memory); until then rmmod nvidia_peermem is refused",
             );
         }
+    }
+
+    /// What a loaded peermem-rs waits for (`stats/waiting_for`); whether
+    /// it waits for something (a finding). Nothing without the file (an
+    /// older peermem-rs, or NVIDIA's module).
+    fn waiting(&mut self, sys: &Sys) -> bool {
+        let Ok(text) = Sys::read(&sys.path(WAITING_FOR)) else {
+            return false;
+        };
+        let (id, what, fix) = match text.trim() {
+            "nothing" => return false,
+            "core" => ("waiting-for-core", "the peer-memory core", LOAD_CORE),
+            "gpu-driver" => ("waiting-for-gpu-driver", "the GPU driver", LOAD_GPU),
+            "core,gpu-driver" => (
+                "waiting-for-core-and-gpu-driver",
+                "the peer-memory core and the GPU driver",
+                LOAD_BOTH,
+            ),
+            "core-refused" => {
+                self.add(
+                    "core-refused-clients",
+                    "nvidia_peermem is bound to the peer-memory core and the GPU driver, but the core \
+                     refused its clients: ibv_reg_mr on GPU memory fails (EFAULT)"
+                        .into(),
+                    "the kernel log says why (another module registered nv_mem: unload NVIDIA's \
+                     nvidia-peermem); then modprobe -r nvidia_peermem; modprobe nvidia_peermem",
+                );
+                return true;
+            }
+            other => ("waiting-for-unknown", other, LOAD_BOTH),
+        };
+        self.add(
+            id,
+            format!(
+                "nvidia_peermem is loaded and waits for {what} before it registers its peer-memory \
+                 clients: until then no stack sees GPUDirect RDMA through it"
+            ),
+            fix,
+        );
+        true
     }
 
     /// The findings, one line each, or one "ok" line; checks not made go

@@ -1839,6 +1839,33 @@ fn doctor_client_not_registered() {
 }
 
 #[test]
+fn doctor_waiting_for_core_and_gpu_driver() {
+    // Late binding: loaded before the core and the GPU driver.
+    for (value, id, word) in [
+        (
+            "core,gpu-driver\n",
+            "waiting-for-core-and-gpu-driver",
+            "modprobe nvidia",
+        ),
+        ("core\n", "waiting-for-core", "modprobe ib_uverbs"),
+        ("gpu-driver\n", "waiting-for-gpu-driver", "modprobe nvidia"),
+        ("core-refused\n", "core-refused-clients", "nvidia-peermem"),
+    ] {
+        let t = Tree::ours(&format!("doctor-waiting-{id}"));
+        fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers/nv_mem")).unwrap();
+        t.file("/sys/module/nvidia_peermem/stats/waiting_for", value);
+        // Not client-not-registered: why it is not registered is known.
+        assert_eq!(findings(&t, &[]), [id], "{value}");
+        let (_, lines, _) = doctor(&t, &[]);
+        assert!(lines[0].contains(word), "{}", lines[0]);
+    }
+    let t = Tree::ours("doctor-waiting-nothing");
+    t.file("/sys/module/nvidia_peermem/stats/waiting_for", "nothing\n");
+    let (code, lines, _) = doctor(&t, &[]);
+    assert_eq!((code, lines), (0, vec!["ok".to_string()]));
+}
+
+#[test]
 fn doctor_paths_refused() {
     let t = with_diag("doctor-policy");
     let (code, lines, _) = doctor(&t, &[]);

@@ -1,0 +1,432 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+
+//! Late binding to the peer-memory core and the GPU driver.
+//!
+//! The module loads whether or not they are loaded. It takes their entry
+//! points by name from whichever live module exports them (`ib_core`,
+//! `ib_uverbs`, an OFED build; `nvidia`): at load from the modules already
+//! live, later from the module notifier when one goes live (the C shim finds
+//! them, `exports` holds them). Once both are bound it registers its
+//! clients. The references to both modules are held until the module's exit.
+//!
+//! Without symbol CRCs, what is checked before binding (docs/design.md,
+//! "Late binding"): every entry point of an API comes from one module; the
+//! GPU driver's `version=` is `MAJOR.MINOR[.PATCH]` with a major this module
+//! knows (R470, the first with every entry point bound, or later); an
+//! invalidating client is registered only with a core that writes its
+//! invalidate hook (`client`); and, as before, every page table and DMA
+//! mapping the driver hands out carries a structure version this module
+//! knows (`p2p`). A refusal is one log line; the module keeps waiting.
+
+use core::{
+    cell::UnsafeCell,
+    fmt,
+    ptr::NonNull, //
+};
+
+use kernel::{
+    bindings,
+    ffi::c_void,
+    prelude::*, //
+};
+
+use crate::{
+    client::{
+        self,
+        CoreRegistration, //
+    },
+    core_link,
+    exports::{
+        self,
+        ModuleRef, //
+    },
+    ffi,
+    p2p, //
+};
+
+/// The GPU driver's entry points, in `peermem_p2p_api`'s order.
+const P2P_NAMES: [&CStr; 6] = [
+    c"nvidia_p2p_get_pages",
+    c"nvidia_p2p_get_pages_persistent",
+    c"nvidia_p2p_put_pages",
+    c"nvidia_p2p_put_pages_persistent",
+    c"nvidia_p2p_dma_map_pages",
+    c"nvidia_p2p_dma_unmap_pages",
+];
+
+/// The peer-memory core's entry points, in `peermem_core_api`'s order.
+const CORE_NAMES: [&CStr; 2] = [
+    c"ib_register_peer_memory_client",
+    c"ib_unregister_peer_memory_client",
+];
+
+/// The oldest GPU driver major with every entry point bound here (R470:
+/// `nvidia_p2p_get_pages_persistent`, and NVIDIA's own nvidia-peermem).
+pub(crate) const DRIVER_MAJOR_MIN: u32 = 470;
+
+/// What the module is bound to and what it registered.
+struct State {
+    persistent: bool,
+    legacy: bool,
+    core: Option<ModuleRef>,
+    gpu: Option<ModuleRef>,
+    clients: KVec<CoreRegistration>,
+    fence: Option<p2p::CallbackFence>,
+}
+
+/// The state, behind the shim's binding lock.
+///
+/// # Invariants
+///
+/// The state is used only while `peermem_bind_lock` is held.
+struct Locked(UnsafeCell<State>);
+
+// SAFETY: every access holds the binding lock (type invariants).
+unsafe impl Sync for Locked {}
+
+static STATE: Locked = Locked(UnsafeCell::new(State {
+    persistent: true,
+    legacy: false,
+    core: None,
+    gpu: None,
+    clients: KVec::new(),
+    fence: None,
+}));
+
+/// The binding lock, held.
+struct Guard(());
+
+impl Guard {
+    fn lock() -> Self {
+        ffi::peermem_bind_lock();
+        Self(())
+    }
+
+    fn state(&mut self) -> &mut State {
+        // SAFETY: the lock is held while `self` lives; `&mut self` makes the
+        // borrow unique.
+        unsafe { locked_state() }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        ffi::peermem_bind_unlock();
+    }
+}
+
+/// The state.
+///
+/// # Safety
+///
+/// The binding lock must be held while the reference is used, and no other
+/// reference to the state may be live.
+unsafe fn locked_state<'a>() -> &'a mut State {
+    // SAFETY: under the lock, the only reference (caller).
+    unsafe { &mut *STATE.0.get() }
+}
+
+/// What the module waits for, as `stats/waiting_for` says it.
+fn waiting_for(st: &State) -> &'static str {
+    match (st.core.is_some(), st.gpu.is_some(), !st.clients.is_empty()) {
+        (_, _, true) => "nothing",
+        (false, false, _) => "core,gpu-driver",
+        (false, true, _) => "core",
+        (true, false, _) => "gpu-driver",
+        // Both bound, the core refused the clients (logged).
+        (true, true, false) => "core-refused",
+    }
+}
+
+/// The log's words for what is missing.
+struct Missing<'a>(&'a State);
+
+impl kernel::fmt::Display for Missing<'_> {
+    fn fmt(&self, f: &mut kernel::fmt::Formatter<'_>) -> kernel::fmt::Result {
+        const CORE: &str = "the peer-memory core (ib_register_peer_memory_client: ib_core, ib_uverbs or an OFED build)";
+        const GPU: &str = "the GPU driver (nvidia_p2p_get_pages: nvidia)";
+        match (self.0.core.is_some(), self.0.gpu.is_some()) {
+            (false, false) => write!(f, "{CORE} and {GPU}"),
+            (false, true) => f.write_str(CORE),
+            (true, false) => f.write_str(GPU),
+            (true, true) => f.write_str("nothing"),
+        }
+    }
+}
+
+/// `stats/waiting_for`: one value, `nothing` once the clients registered.
+pub(crate) fn show_waiting(f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let mut g = Guard::lock();
+    writeln!(f, "{}", waiting_for(g.state()))
+}
+
+/// A module's name, for the log.
+fn name(m: &ModuleRef) -> &str {
+    m.name().to_str().unwrap_or("?")
+}
+
+/// The entry points `m` exports under `names`: `None` if it exports none
+/// of them (silently: not this API's module) or only some (refused, one
+/// line).
+fn addresses<const N: usize>(m: &ModuleRef, names: &[&CStr; N]) -> Option<[*mut c_void; N]> {
+    let addrs = names.map(|n| m.export(n));
+    let missing = addrs.iter().position(|a| a.is_null());
+    match missing {
+        None => Some(addrs),
+        Some(_) if addrs.iter().all(|a| a.is_null()) => None,
+        Some(i) => {
+            pr_err!(
+                "refused module {}: it exports {} but not {}, so its entry points are not one API\n",
+                name(m),
+                names[(i + 1) % N].to_str().unwrap_or("?"),
+                names[i].to_str().unwrap_or("?"),
+            );
+            None
+        }
+    }
+}
+
+/// The entry point at `addr`.
+///
+/// # Safety
+///
+/// `addr` must be NULL or the address of a function of the type `T` wraps
+/// (an `Option` of a function pointer).
+unsafe fn entry<T: Copy>(addr: *mut c_void) -> T {
+    const { assert!(core::mem::size_of::<T>() == core::mem::size_of::<*mut c_void>()) };
+    // SAFETY: same size (above); NULL is `None`, another address the
+    // function of type `T` (caller).
+    unsafe { core::mem::transmute_copy(&addr) }
+}
+
+/// Whether the GPU driver's `version=` is one this module knows: its major
+/// (`MAJOR.MINOR[.PATCH]`) is [`DRIVER_MAJOR_MIN`] or later.
+pub(crate) fn driver_version_ok(v: &[u8]) -> bool {
+    let major = v.split(|&b| b == b'.').next().unwrap_or(&[]);
+    let parsed = core::str::from_utf8(major)
+        .ok()
+        .and_then(|s| s.parse::<u32>().ok());
+    let rest_ok = v.len() > major.len() + 1 && v[major.len()] == b'.';
+    rest_ok && parsed.is_some_and(|m| m >= DRIVER_MAJOR_MIN)
+}
+
+/// Binds the GPU driver's entry points from `m`, if it exports them and
+/// passes the checks.
+fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
+    let Some(a) = addresses(&m, &P2P_NAMES) else {
+        return false;
+    };
+    let version = m.version().map_or(&b""[..], |v| v.to_bytes());
+    if !driver_version_ok(version) {
+        pr_err!(
+            "refused the GPU driver in module {}: version '{}' is not one this module knows (R{} or later, MAJOR.MINOR[.PATCH]); waiting for another\n",
+            name(&m),
+            core::str::from_utf8(version).unwrap_or("?"),
+            DRIVER_MAJOR_MIN,
+        );
+        return false;
+    }
+    // SAFETY: each address is the function `m` exports under the name
+    // `nv-p2p.h` declares with the field's type.
+    let table = unsafe {
+        ffi::peermem_p2p_api {
+            get_pages: entry(a[0]),
+            get_pages_persistent: entry(a[1]),
+            put_pages: entry(a[2]),
+            put_pages_persistent: entry(a[3]),
+            dma_map_pages: entry(a[4]),
+            dma_unmap_pages: entry(a[5]),
+        }
+    };
+    // SAFETY: under the binding lock (`st`), once (`st.gpu` was `None`),
+    // before any client registered; `m` is held until exit.
+    unsafe { exports::P2P.publish(table) };
+    st.gpu = Some(m);
+    true
+}
+
+/// Binds the core's entry points from `m`, if it exports them.
+fn bind_core(st: &mut State, m: ModuleRef) -> bool {
+    let Some(a) = addresses(&m, &CORE_NAMES) else {
+        return false;
+    };
+    // SAFETY: each address is the function `m` exports under the name
+    // `peer_mem.h` declares with the field's type.
+    let table = unsafe {
+        ffi::peermem_core_api {
+            register_client: entry(a[0]),
+            unregister_client: entry(a[1]),
+        }
+    };
+    // SAFETY: under the binding lock (`st`), once (`st.core` was `None`),
+    // before any client registered; `m` is held until exit.
+    unsafe { exports::CORE.publish(table) };
+    st.core = Some(m);
+    true
+}
+
+/// Offers `module` to what is not bound yet; whether it bound something.
+///
+/// # Safety
+///
+/// `module` must be valid for the call.
+unsafe fn offer(st: &mut State, module: NonNull<bindings::module>) -> bool {
+    let mut bound = false;
+    if st.gpu.is_none() {
+        // SAFETY: valid for the call (caller).
+        if let Some(m) = unsafe { ModuleRef::get(module) } {
+            bound |= bind_gpu(st, m);
+        }
+    }
+    if st.core.is_none() {
+        // SAFETY: valid for the call (caller).
+        if let Some(m) = unsafe { ModuleRef::get(module) } {
+            bound |= bind_core(st, m);
+        }
+    }
+    bound
+}
+
+/// Registers the clients of the mode the parameters chose; returns them and
+/// their description for the log.
+fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'static str)> {
+    let (table, text) = match (persistent, legacy) {
+        (true, _) => (&client::NV_MEM_PERSISTENT, "nv_mem (persistent)"),
+        (false, true) => (
+            &client::NV_MEM_INVALIDATING_LEGACY,
+            "nv_mem (invalidating, legacy core), nv_mem_nc (persistent)",
+        ),
+        (false, false) => (
+            &client::NV_MEM_INVALIDATING,
+            "nv_mem (invalidating), nv_mem_nc (persistent)",
+        ),
+    };
+    let link = (!persistent).then_some(&core_link::INVALIDATING);
+    let mut clients = KVec::new();
+    clients.push(CoreRegistration::new(table, link)?, GFP_KERNEL)?;
+    if !persistent {
+        clients.push(CoreRegistration::new(&client::NV_MEM_NC, None)?, GFP_KERNEL)?;
+    }
+    Ok((clients, text))
+}
+
+/// Registers the clients once both are bound; their description.
+fn register(st: &mut State) -> Result<Option<&'static str>> {
+    if st.core.is_none() || st.gpu.is_none() || !st.clients.is_empty() {
+        return Ok(None);
+    }
+    let (clients, text) = clients(st.persistent, st.legacy)?;
+    st.clients = clients;
+    // Free callbacks can be armed from now on: exit waits for them.
+    st.fence = (!st.persistent).then(p2p::CallbackFence::new);
+    Ok(Some(text))
+}
+
+/// A module went live (the module notifier, through the shim, under the
+/// binding lock): binds what it exports and registers once both are bound.
+///
+/// # Safety
+///
+/// `module` must be a live module, valid for the call; the binding lock
+/// must be held.
+#[no_mangle]
+unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
+    // SAFETY: the shim calls with the binding lock held, and nothing else
+    // holds a reference to the state (caller).
+    let st = unsafe { locked_state() };
+    let Some(module) = NonNull::new(module) else {
+        return;
+    };
+    // SAFETY: valid for the call (caller).
+    if !unsafe { offer(st, module) } {
+        return;
+    }
+    let registered = register(st);
+    let from = [&st.core, &st.gpu]
+        .into_iter()
+        .flatten()
+        .find(|m| m.is(module))
+        .map_or("?", name);
+    match registered {
+        Ok(Some(text)) => pr_info!("registered with the peer-memory core: {text} (bound to module {from})\n"),
+        Ok(None) => pr_info!("bound to module {from}; waiting for {}\n", Missing(st)),
+        // The core said why (client::CoreRegistration::new).
+        Err(e) => pr_err!("bound to module {from}, but registering the clients failed ({e:?}); reload nvidia_peermem to try again\n"),
+    }
+}
+
+/// The binding from load to exit: the module notifier, the clients and the
+/// free-callback fence. Dropped first at exit.
+///
+/// # Invariants
+///
+/// The shim's module notifier is registered from `new` until `drop`.
+pub(crate) struct Binding(());
+
+impl Binding {
+    /// Watches for modules going live, binds those already live, and
+    /// registers the clients if both are. A core present at load that
+    /// refuses the clients fails the load, as before late binding.
+    pub(crate) fn new() -> Result<Self> {
+        kernel::error::to_result(ffi::peermem_watch_modules())?;
+        // INVARIANT: registered just above.
+        let this = Self(());
+        let mut g = Guard::lock();
+        let st = g.state();
+        for key in [P2P_NAMES[0], CORE_NAMES[0]] {
+            if let Some(m) = ModuleRef::exporter(key) {
+                // SAFETY: `m` holds a reference to the module for the call.
+                unsafe { offer(st, m.module()) };
+            }
+        }
+        let version = env!("PEERMEM_VERSION");
+        match register(st)? {
+            Some(text) => pr_info!("version {version} loaded: {text}\n"),
+            None => pr_info!(
+                "version {version} loaded, waiting for {}: its clients register once both are loaded\n",
+                Missing(st)
+            ),
+        }
+        Ok(this)
+    }
+}
+
+impl Drop for Binding {
+    fn drop(&mut self) {
+        // Returns once no offer runs; none starts after.
+        ffi::peermem_unwatch_modules();
+        let (clients, fence) = {
+            let mut g = Guard::lock();
+            let st = g.state();
+            (core::mem::take(&mut st.clients), st.fence.take())
+        };
+        // The clients unregister (the core waits for their registrations),
+        // then the free callbacks still returning are waited for.
+        drop(clients);
+        drop(fence);
+    }
+}
+
+/// The references to the core's and the GPU driver's modules: made first at
+/// load, dropped last at exit, after everything that may call them.
+pub(crate) struct Exporters(());
+
+impl Exporters {
+    /// Records the mode the clients will register in.
+    pub(crate) fn new(persistent: bool, legacy: bool) -> Self {
+        let mut g = Guard::lock();
+        let st = g.state();
+        st.persistent = persistent;
+        st.legacy = legacy;
+        Self(())
+    }
+}
+
+impl Drop for Exporters {
+    fn drop(&mut self) {
+        let mut g = Guard::lock();
+        let st = g.state();
+        drop(st.gpu.take());
+        drop(st.core.take());
+    }
+}
