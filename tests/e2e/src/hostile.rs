@@ -965,15 +965,21 @@ fn mr_outcome(ctx: &mut Ctx, a: &Alloc) -> Result<Result<(), i32>, String> {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
+    dma_and_dereg(ctx, a, h, 4096).map(Ok)
+}
+
+/// Writes a pattern through MR `h` at `off` of `a`, deregisters the MR and
+/// checks that the bytes landed there.
+fn dma_and_dereg(ctx: &mut Ctx, a: &Alloc, h: u64, off: u64) -> Result<(), String> {
     let seed = ctx.rand();
-    let moved = ctx.core.dma_write(h, 4096, &pattern(seed, 0, 256));
+    let moved = ctx.core.dma_write(h, off, &pattern(seed, 0, 256));
     ctx.core.dereg(h).map_err(errno_name)?;
     moved.map_err(|e| format!("DMA through the MR: {}", errno_name(e)))?;
     ensure!(
-        a.read(4096, 256) == pattern(seed, 0, 256),
+        a.read(off, 256) == pattern(seed, 0, 256),
         "DMA went elsewhere"
     );
-    Ok(Ok(()))
+    Ok(())
 }
 
 /// What the GPU driver's topology verdicts for GPU 0 read in `gpus`.
@@ -1559,14 +1565,7 @@ pub fn remap_counts_once(ctx: &mut Ctx) -> Result<String, String> {
         .reg(a.va, M, flags | PMC_REG_REMAP)
         .map_err(errno_name)?;
     let during = live()?;
-    let seed = ctx.rand();
-    let moved = ctx.core.dma_write(h, 0, &pattern(seed, 0, 256));
-    ctx.core.dereg(h).map_err(errno_name)?;
-    moved.map_err(|e| format!("DMA after the remap: {}", errno_name(e)))?;
-    ensure!(
-        a.read(0, 256) == pattern(seed, 0, 256),
-        "DMA went elsewhere"
-    );
+    dma_and_dereg(ctx, &a, h, 0).map_err(|e| format!("after the remap: {e}"))?;
     let after = live()?;
     ensure!(
         during == (before.0 + 1, before.1 + M) && after == before,

@@ -6,12 +6,9 @@
 //! line becomes an error for that line only; a missing file makes its view
 //! unavailable, with the reason.
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
-use crate::{
-    render::Obj,
-    sysfs::{parse_u64, read_view, Module, Sys, ViewFile, Views, GPUS, PATHS, PROCESSES},
-};
+use crate::sysfs::{parse_u64, read_view, Module, Sys, ViewFile, Views, GPUS, PATHS, PROCESSES};
 
 /// Path classes, best first, in `nvidia-smi topo -m` vocabulary.
 pub const CLASSES: &[&str] = &["PIX", "PXB", "PHB", "NODE", "SYS"];
@@ -321,6 +318,15 @@ pub fn policy_meaning(p: u64) -> String {
             Some(c) => format!("refuse paths worse than {c}"),
             None => "unknown policy".into(),
         },
+    }
+}
+
+/// Pairs as one JSON object, in their order.
+pub(crate) struct Obj<K, V>(pub(crate) Vec<(K, V)>);
+
+impl<K: Serialize, V: Serialize> Serialize for Obj<K, V> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
     }
 }
 

@@ -16,7 +16,8 @@ use serde::Serialize;
 
 use crate::{
     diag,
-    sysfs::{Snapshot, Sys, MODULE_DIR, PEERS_DIR},
+    snapshot::Snapshot,
+    sysfs::{Sys, MODULE_DIR, PEERS_DIR},
 };
 
 pub const KMSG: &str = "/dev/kmsg";

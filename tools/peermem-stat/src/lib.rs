@@ -11,6 +11,7 @@ pub mod diag;
 pub mod doctor;
 pub mod prom;
 pub mod render;
+pub mod snapshot;
 pub mod sysfs;
 pub mod views;
 
@@ -23,7 +24,8 @@ use args::{Cli, Command, View};
 use clap::{error::ErrorKind, CommandFactory};
 use render::Rates;
 use serde::Serialize;
-use sysfs::{Snapshot, Sys};
+use snapshot::Snapshot;
+use sysfs::Sys;
 
 pub const EXIT_OK: i32 = 0;
 pub const EXIT_USAGE: i32 = 1;

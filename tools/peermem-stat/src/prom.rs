@@ -11,7 +11,8 @@ use std::fmt::Write;
 
 use crate::{
     render::known,
-    sysfs::{Snapshot, COUNTERS, GPUS, PATHS, PROCESSES},
+    snapshot::Snapshot,
+    sysfs::{COUNTERS, GPUS, PATHS, PROCESSES},
 };
 
 const PREFIX: &str = "nvidia_peermem_";

@@ -8,7 +8,9 @@ use serde::{Serialize, Serializer};
 
 use crate::{
     detect::{self, RULES},
-    sysfs::{Field, Snapshot, COUNTERS, MODULE_DIR, PEERS_DIR},
+    diag::Obj,
+    snapshot::Snapshot,
+    sysfs::{Field, COUNTERS, MODULE_DIR, PEERS_DIR},
 };
 
 /// The module's counters the table explains (any other name is shown as is),
@@ -336,15 +338,6 @@ fn write_table(o: &mut String, s: &Snapshot, all: bool, rates: Option<&Rates>) -
         }
     }
     Ok(())
-}
-
-/// Pairs as one JSON object, in their order.
-pub(crate) struct Obj<K, V>(pub(crate) Vec<(K, V)>);
-
-impl<K: Serialize, V: Serialize> Serialize for Obj<K, V> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
-    }
 }
 
 /// Named fields as one object, a value that could not be read as null (see

@@ -9,7 +9,7 @@ use serde::{ser::SerializeMap, Serialize, Serializer};
 
 use crate::{
     diag::{self, pci_key, GpuRec, PathRec, ProcRec, Records, Table},
-    sysfs::Snapshot,
+    snapshot::Snapshot,
 };
 
 /// Under the matrix, like nvidia-smi's legend.

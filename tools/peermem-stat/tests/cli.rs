@@ -12,10 +12,7 @@ use std::{
     sync::atomic::{AtomicU32, Ordering},
 };
 
-use peermem_stat::{
-    render::Rates,
-    sysfs::{Snapshot, Sys},
-};
+use peermem_stat::{render::Rates, snapshot::Snapshot, sysfs::Sys};
 use prometheus_parse::{Scrape, Value as PromValue};
 use serde_json::Value;
 
