@@ -5,7 +5,7 @@
  * device walks of the topology gate), the module parameters with their sysfs
  * files, the views' sysfs attributes, the PCI bus and module notifiers, the
  * reads of the GPU driver's params file and of the hypervisor the kernel
- * detected, the walk of a module's export table (late binding: a kernel-internal
+ * detected, the drain's registry (a kernel list) and control file, the walk of a module's export table (late binding: a kernel-internal
  * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
  * reads have the x86_64 layout the Rust side was written against. Policy
  * stays in Rust.
@@ -27,6 +27,7 @@
 #include <linux/pid.h>
 #include <linux/pid_namespace.h>
 #include <linux/rcupdate.h>
+#include <linux/refcount.h>
 #include <linux/sched.h>
 #include <linux/slab.h>
 #include <linux/stddef.h>
@@ -94,6 +95,16 @@ void peermem_views_remove(void);
 ssize_t peermem_view_read(unsigned int which, uintptr_t reader, char *buf, loff_t off,
 			  size_t count);	/* Rust, src/views.rs */
 void peermem_module_live(struct module *mod);	/* Rust, src/binding.rs */
+int peermem_drain_set(bool on);		/* Rust, src/drain.rs */
+bool peermem_drain_requested(void);	/* Rust, src/drain.rs */
+void peermem_drain_run(void);		/* Rust, src/drain.rs */
+void peermem_registry_add(struct list_head *node);
+unsigned long peermem_registry_del(struct list_head *node);
+unsigned long peermem_registry_live(void);
+void peermem_registry_walk(void (*visit)(struct list_head *node, void *arg), void *arg);
+bool peermem_refcount_inc_not_zero(refcount_t *r);
+void peermem_drain_kick(void);
+void peermem_drain_cancel(void);
 void peermem_bind_lock(void);
 void peermem_bind_unlock(void);
 void *peermem_module_export(struct module *mod, const char *name);
@@ -322,18 +333,123 @@ static const struct attribute_group peermem_views_group = {
 static u32 peermem_present_vm;
 static struct dentry *peermem_debugfs;
 
-int peermem_views_add(void)
+/*
+ * /sys/module/nvidia_peermem/drain (src/drain.rs): 1 drains the module
+ * (root only), 0 resumes; reads as the last value written.
+ */
+static ssize_t peermem_drain_show(const struct module_attribute *attr, struct module_kobject *mk,
+				  char *buf)
 {
-	peermem_debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
-	debugfs_create_u32("present_vm", 0600, peermem_debugfs, &peermem_present_vm);
-	return sysfs_create_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	return sysfs_emit(buf, "%d\n", peermem_drain_requested());
 }
 
-/* Returns once no read of a view runs any more (kernfs drains them). */
+static ssize_t peermem_drain_store(const struct module_attribute *attr, struct module_kobject *mk,
+				   const char *buf, size_t count)
+{
+	bool on;
+	int err = kstrtobool(buf, &on);
+
+	if (!err)
+		err = peermem_drain_set(on);
+	return err ? err : count;
+}
+
+static struct module_attribute peermem_drain_attr =
+	__ATTR(drain, 0644, peermem_drain_show, peermem_drain_store);
+
+int peermem_views_add(void)
+{
+	int err;
+
+	peermem_debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
+	debugfs_create_u32("present_vm", 0600, peermem_debugfs, &peermem_present_vm);
+	err = sysfs_create_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	if (!err) {
+		err = sysfs_create_file(&THIS_MODULE->mkobj.kobj, &peermem_drain_attr.attr);
+		if (err)
+			sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	}
+	return err;
+}
+
+/* Returns once no read of a view or write of drain runs (kernfs drains them). */
 void peermem_views_remove(void)
 {
+	sysfs_remove_file(&THIS_MODULE->mkobj.kobj, &peermem_drain_attr.attr);
 	sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
 	debugfs_remove_recursive(peermem_debugfs);
+}
+
+/*
+ * The drain's registry (src/registration/registry.rs): every registration
+ * object is on one kernel list from its acquire until it is freed, so that a
+ * drain can revoke the live ones and name their holders. One spinlock, one
+ * O(1) section at each end of a registration; the walk calls back into Rust
+ * under it, and the callback only takes references
+ * (refcount_inc_not_zero: an object whose count reached zero is about to
+ * leave the list). The work completes a drain once the last object left.
+ */
+static LIST_HEAD(peermem_regs);
+static DEFINE_SPINLOCK(peermem_regs_lock);
+static unsigned long peermem_regs_live;
+
+void peermem_registry_add(struct list_head *node)
+{
+	spin_lock(&peermem_regs_lock);
+	list_add_tail(node, &peermem_regs);
+	peermem_regs_live++;
+	spin_unlock(&peermem_regs_lock);
+}
+
+/* Returns how many objects are left on the list. */
+unsigned long peermem_registry_del(struct list_head *node)
+{
+	unsigned long left;
+
+	spin_lock(&peermem_regs_lock);
+	list_del(node);
+	left = --peermem_regs_live;
+	spin_unlock(&peermem_regs_lock);
+	return left;
+}
+
+unsigned long peermem_registry_live(void)
+{
+	return READ_ONCE(peermem_regs_live);
+}
+
+void peermem_registry_walk(void (*visit)(struct list_head *node, void *arg), void *arg)
+{
+	struct list_head *node;
+
+	spin_lock(&peermem_regs_lock);
+	list_for_each(node, &peermem_regs)
+		visit(node, arg);
+	spin_unlock(&peermem_regs_lock);
+}
+
+/* No Rust binding in 7.3 (rust/kernel/sync/refcount.rs). */
+bool peermem_refcount_inc_not_zero(refcount_t *r)
+{
+	return refcount_inc_not_zero(r);
+}
+
+static void peermem_drain_fn(struct work_struct *work)
+{
+	peermem_drain_run();
+}
+
+static DECLARE_WORK(peermem_drain_work, peermem_drain_fn);
+
+void peermem_drain_kick(void)
+{
+	schedule_work(&peermem_drain_work);
+}
+
+/* Returns once the work neither runs nor is queued. */
+void peermem_drain_cancel(void)
+{
+	cancel_work_sync(&peermem_drain_work);
 }
 
 /*

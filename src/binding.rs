@@ -41,7 +41,8 @@ use crate::{
         ModuleRef, //
     },
     ffi,
-    p2p, //
+    p2p,
+    registration::registry, //
 };
 
 /// The GPU driver's entry points, in `peermem_p2p_api`'s order.
@@ -72,6 +73,10 @@ struct State {
     gpu: Option<ModuleRef>,
     clients: KVec<CoreRegistration>,
     fence: Option<p2p::CallbackFence>,
+    /// A drain completed: the clients are unregistered and both modules let
+    /// go of; nothing binds until the drain ends (`drain` = 0, or one of
+    /// the modules going live again).
+    drained: bool,
 }
 
 /// The state, behind the shim's binding lock.
@@ -91,6 +96,7 @@ static STATE: Locked = Locked(UnsafeCell::new(State {
     gpu: None,
     clients: KVec::new(),
     fence: None,
+    drained: false,
 }));
 
 /// The binding lock, held.
@@ -128,6 +134,12 @@ unsafe fn locked_state<'a>() -> &'a mut State {
 
 /// What the module waits for, as `stats/waiting_for` says it.
 fn waiting_for(st: &State) -> &'static str {
+    if st.drained {
+        return "drained";
+    }
+    if registry::draining() {
+        return "drain-holders";
+    }
     match (st.core.is_some(), st.gpu.is_some(), !st.clients.is_empty()) {
         (_, _, true) => "nothing",
         (false, false, _) => "core,gpu-driver",
@@ -238,8 +250,9 @@ fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
             dma_unmap_pages: entry(a[5]),
         }
     };
-    // SAFETY: under the binding lock (`st`), once (`st.gpu` was `None`),
-    // before any client registered; `m` is held until exit.
+    // SAFETY: under the binding lock (`st`), unpublished (`st.gpu` was
+    // `None`), before any client registered; `m` is held until the table is
+    // retracted (`finish_drain`) or the module exits.
     unsafe { exports::P2P.publish(table) };
     st.gpu = Some(m);
     true
@@ -258,8 +271,9 @@ fn bind_core(st: &mut State, m: ModuleRef) -> bool {
             unregister_client: entry(a[1]),
         }
     };
-    // SAFETY: under the binding lock (`st`), once (`st.core` was `None`),
-    // before any client registered; `m` is held until exit.
+    // SAFETY: under the binding lock (`st`), unpublished (`st.core` was
+    // `None`), before any client registered; `m` is held until the table is
+    // retracted (`finish_drain`) or the module exits.
     unsafe { exports::CORE.publish(table) };
     st.core = Some(m);
     true
@@ -312,7 +326,7 @@ fn clients(persistent: bool, legacy: bool) -> Result<(KVec<CoreRegistration>, &'
 
 /// Registers the clients once both are bound; their description.
 fn register(st: &mut State) -> Result<Option<&'static str>> {
-    if st.core.is_none() || st.gpu.is_none() || !st.clients.is_empty() {
+    if st.core.is_none() || st.gpu.is_none() || !st.clients.is_empty() || st.drained {
         return Ok(None);
     }
     let (clients, text) = clients(st.persistent, st.legacy)?;
@@ -337,6 +351,13 @@ unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
     let Some(module) = NonNull::new(module) else {
         return;
     };
+    if st.drained {
+        // SAFETY: valid for the call (caller).
+        if unsafe { exports_an_api(module) } {
+            resume(st, "a module it binds to came back");
+        }
+        return;
+    }
     // SAFETY: valid for the call (caller).
     if !unsafe { offer(st, module) } {
         return;
@@ -353,6 +374,94 @@ unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
         // The core said why (client::CoreRegistration::new).
         Err(e) => pr_err!("bound to module {from}, but registering the clients failed ({e:?}); reload nvidia_peermem to try again\n"),
     }
+}
+
+/// Whether `module` exports the core's or the GPU driver's first entry
+/// point.
+///
+/// # Safety
+///
+/// `module` must be valid for the call.
+unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
+    // SAFETY: valid for the call (caller).
+    unsafe { ModuleRef::get(module) }
+        .is_some_and(|m| [P2P_NAMES[0], CORE_NAMES[0]].iter().any(|n| !m.export(n).is_null()))
+}
+
+/// Binds what is live and registers if both are; says so (`why`: the
+/// occasion, for the log).
+fn bind_live(st: &mut State, why: fmt::Arguments<'_>) -> Result {
+    for key in [P2P_NAMES[0], CORE_NAMES[0]] {
+        if let Some(m) = ModuleRef::exporter(key) {
+            // SAFETY: `m` holds a reference to the module for the call.
+            unsafe { offer(st, m.module()) };
+        }
+    }
+    match register(st)? {
+        Some(text) => pr_info!("{why}: {text}\n"),
+        None => pr_info!(
+            "{why}, waiting for {}: its clients register once both are loaded\n",
+            Missing(st)
+        ),
+    }
+    Ok(())
+}
+
+/// Ends a drain: new registrations are taken again, and a drained module
+/// binds and registers again.
+fn resume(st: &mut State, why: &str) {
+    registry::set_draining(false);
+    if !core::mem::take(&mut st.drained) {
+        pr_info!("drain ended ({why}): registrations are accepted again\n");
+        return;
+    }
+    if let Err(e) = bind_live(st, format_args!("drain ended ({why})")) {
+        pr_err!("drain ended ({why}), but registering the clients failed ({e:?}); write 1 then 0 to drain to try again\n");
+    }
+}
+
+/// `drain` = 0: ends a drain.
+pub(crate) fn end_drain() {
+    resume(Guard::lock().state(), "drain set to 0");
+}
+
+/// `drain` = 1: from now on new registrations are refused. Whether the
+/// module was draining already.
+pub(crate) fn start_drain() -> bool {
+    let _g = Guard::lock();
+    let was = registry::draining();
+    registry::set_draining(true);
+    was
+}
+
+/// Completes a drain once no registration lives: unregisters the clients,
+/// waits for the free callbacks still returning, and lets go of the core's
+/// and the GPU driver's modules, which can then be unloaded. Whether the
+/// module is drained.
+pub(crate) fn finish_drain() -> bool {
+    let mut g = Guard::lock();
+    let st = g.state();
+    if st.drained || !registry::draining() || registry::live_count() != 0 {
+        return st.drained;
+    }
+    st.drained = true;
+    // Unregistering returns at once: the core holds no registration.
+    drop(core::mem::take(&mut st.clients));
+    drop(st.fence.take());
+    // SAFETY: under the binding lock; nothing calls through the tables any
+    // more: the clients are unregistered, no registration lives, and no
+    // free callback runs (the fence).
+    unsafe {
+        exports::P2P.retract();
+        exports::CORE.retract();
+    }
+    let (core, gpu) = (st.core.take(), st.gpu.take());
+    pr_info!(
+        "drained: the clients are unregistered from the peer-memory core, and modules {} and {} can be unloaded; nvidia_peermem registers again when one of them is loaded again, or on writing 0 to /sys/module/nvidia_peermem/drain\n",
+        core.as_ref().map_or("-", name),
+        gpu.as_ref().map_or("-", name),
+    );
+    true
 }
 
 /// The binding from load to exit: the module notifier, the clients and the
@@ -372,29 +481,18 @@ impl Binding {
         // INVARIANT: registered just above.
         let this = Self(());
         let mut g = Guard::lock();
-        let st = g.state();
-        for key in [P2P_NAMES[0], CORE_NAMES[0]] {
-            if let Some(m) = ModuleRef::exporter(key) {
-                // SAFETY: `m` holds a reference to the module for the call.
-                unsafe { offer(st, m.module()) };
-            }
-        }
         let version = env!("PEERMEM_VERSION");
-        match register(st)? {
-            Some(text) => pr_info!("version {version} loaded: {text}\n"),
-            None => pr_info!(
-                "version {version} loaded, waiting for {}: its clients register once both are loaded\n",
-                Missing(st)
-            ),
-        }
+        bind_live(g.state(), format_args!("version {version} loaded"))?;
         Ok(this)
     }
 }
 
 impl Drop for Binding {
     fn drop(&mut self) {
-        // Returns once no offer runs; none starts after.
+        // Returns once no offer runs; none starts after; then no drain
+        // completes any more.
         ffi::peermem_unwatch_modules();
+        ffi::peermem_drain_cancel();
         let (clients, fence) = {
             let mut g = Guard::lock();
             let st = g.state();

@@ -27,11 +27,16 @@ use crate::{
     ffi,
     peer_device::PeerDevice,
     registration::{
+        registry,
         Mode,
         RegRef,
         Registration, //
     },
-    stats::STATS, //
+    stats::{
+        self,
+        Cause,
+        STATS, //
+    },
 };
 
 /// The module version as the clients report it (at most 14 characters: the
@@ -207,6 +212,15 @@ unsafe extern "C" fn acquire<const INV: bool>(
     // The invalidating client's registrations use `INVALIDATING`, which is
     // ready once registration with the core returned.
     if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
+        return 0;
+    }
+    if registry::draining() {
+        // Not claimed (claiming is pinning): the core returns its own error.
+        let _ = stats::fail!(
+            Cause::Draining,
+            EBUSY,
+            "nvidia_peermem is draining: registration of {addr:#x}+{size:#x} refused"
+        );
         return 0;
     }
     let mode = if INV {

@@ -67,7 +67,8 @@ impl CoreLink {
     }
 
     /// Asks the core to revoke the registration it knows as `core_context`.
-    /// Sleeps (the core takes mutexes): call from the free callback only.
+    /// Sleeps (the core takes mutexes): call from the free callback or the
+    /// drain only, never under a lock of ours.
     pub(crate) fn invalidate(&self, core_context: u64) {
         let handle = self.handle.load(Acquire);
         if handle == 0 {

@@ -37,7 +37,9 @@ pub(crate) static CORE: Api<ffi::peermem_core_api> = Api::new();
 ///
 /// `table` is written only by [`Api::publish`], while `bound` is false and
 /// under the binding lock; it is read only after `bound` was seen true with
-/// acquire ordering, and never written again while the module is loaded.
+/// acquire ordering, by calls that run only while a client is registered or
+/// a registration lives (so never across [`Api::retract`], which a
+/// completed drain calls when neither is true).
 pub(crate) struct Api<T> {
     bound: Atomic<u32>,
     table: UnsafeCell<Option<T>>,
@@ -68,14 +70,26 @@ impl<T: Copy> Api<T> {
     ///
     /// # Safety
     ///
-    /// Called under the binding lock, once, before anything may call through
-    /// the table: the module holds a reference to the module that exports
-    /// every entry point in it, until the module's exit.
+    /// Called under the binding lock, while unpublished, before anything may
+    /// call through the table: the module holds a reference to the module
+    /// that exports every entry point in it until it retracts the table or
+    /// exits.
     pub(crate) unsafe fn publish(&self, table: T) {
         // SAFETY: not yet published, and the binding lock is held (caller):
         // nobody reads or writes the table now.
         unsafe { *self.table.get() = Some(table) };
         self.bound.store(1, Release);
+    }
+
+    /// Unpublishes the table (a completed drain lets go of its module).
+    ///
+    /// # Safety
+    ///
+    /// Called under the binding lock, while no client is registered and no
+    /// registration lives: nothing reads the table, or will until it is
+    /// published again.
+    pub(crate) unsafe fn retract(&self) {
+        self.bound.store(0, Release);
     }
 }
 

@@ -10,14 +10,17 @@ use kernel::{
     bindings::{
         device,
         kmem_cache,
+        list_head,
         module,
         pci_dev,
+        refcount_t,
         workqueue_struct, //
     },
     ffi::{
         c_char,
         c_int,
         c_uint,
+        c_ulong,
         c_void, //
     },
 };
@@ -162,6 +165,24 @@ unsafe extern "C" {
     pub(crate) safe fn peermem_watch_modules() -> c_int;
     /// Unregisters it; returns once no notification runs.
     pub(crate) safe fn peermem_unwatch_modules();
+    /// Puts a registration's `node` on the drain's registry.
+    pub(crate) fn peermem_registry_add(node: *mut list_head);
+    /// Takes it off; returns how many are left.
+    pub(crate) fn peermem_registry_del(node: *mut list_head) -> c_ulong;
+    /// How many registrations are on the registry.
+    pub(crate) safe fn peermem_registry_live() -> c_ulong;
+    /// Calls `visit(node, arg)` for each node on the registry, under its
+    /// spinlock.
+    pub(crate) fn peermem_registry_walk(
+        visit: unsafe extern "C" fn(node: *mut list_head, arg: *mut c_void),
+        arg: *mut c_void,
+    );
+    /// `refcount_inc_not_zero`.
+    pub(crate) fn peermem_refcount_inc_not_zero(r: *mut refcount_t) -> bool;
+    /// Queues the drain's completion (`drain::peermem_drain_run`).
+    pub(crate) safe fn peermem_drain_kick();
+    /// Cancels it; returns once it neither runs nor is queued.
+    pub(crate) safe fn peermem_drain_cancel();
 }
 
 /// [`peermem_platform`]: the GPU is passed through to a virtual machine as

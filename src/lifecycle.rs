@@ -76,6 +76,11 @@ pub(crate) enum Phase {
     /// The GPU driver revoked the pages: its page table is gone (or will be as
     /// soon as the free callback returns).
     Revoked,
+    /// The module's drain revoked the registration through the core: the
+    /// device's access ended, but the pin stays until `release` (in the
+    /// pinning process) or the free callback ends it, as the GPU driver
+    /// undoes a non-persistent pin only there (fact 7).
+    Drained,
     /// `release` is unpinning a non-persistent pin at the provider.
     Unpinning,
     /// The provider failed to unpin: the pin and its callback stay armed
@@ -173,6 +178,7 @@ pub(crate) enum Unpinned {
 /// | Bound, Mapping              | yes   | the pin's | yes     | –     |
 /// | Mapped                      | yes   | the pin's | yes     | yes   |
 /// | Revoked                     | –     | –         | –       | maybe |
+/// | Drained                     | yes   | yes       | –       | maybe |
 /// | Stranded                    | –     | yes       | –       | –     |
 /// | Orphaned                    | yes   | yes       | –       | –     |
 ///
@@ -252,6 +258,7 @@ impl<R: Resources> Lifecycle<R> {
             Phase::Bound | Phase::Mapping => table && !map,
             Phase::Mapped => table && map,
             Phase::Revoked => !table && !token && !core,
+            Phase::Drained => table && token && !core,
             Phase::Stranded => !table && token && !core && !map,
             Phase::Orphaned => table && token && !core && !map,
         }
@@ -266,7 +273,7 @@ impl<R: Resources> Lifecycle<R> {
 
     fn refuse(&self) -> Refusal {
         match self.phase {
-            Phase::Revoked => Refusal::Revoked,
+            Phase::Revoked | Phase::Drained => Refusal::Revoked,
             p => Refusal::Forbidden(p),
         }
     }
@@ -357,7 +364,7 @@ impl<R: Resources> Lifecycle<R> {
     pub(crate) fn unmap(&mut self) -> Option<R::Map> {
         match self.phase {
             Phase::Mapped => self.phase = Phase::Bound,
-            Phase::Revoked => (),
+            Phase::Revoked | Phase::Drained => (),
             _ => return None,
         }
         self.map.take()
@@ -386,6 +393,8 @@ impl<R: Resources> Lifecycle<R> {
         let action = match self.phase {
             Phase::Pinning | Phase::Pinned | Phase::Unusable => Invalidate::Quiet,
             Phase::Bound | Phase::Mapping | Phase::Mapped => Invalidate::NotifyCore(self.core),
+            // The drain told the core already; the pin ends here.
+            Phase::Drained => Invalidate::Quiet,
             // The unpin raced with us: it must not reclaim the token.
             Phase::Unpinning => {
                 self.token = None;
@@ -406,14 +415,39 @@ impl<R: Resources> Lifecycle<R> {
         (action, self.table.take())
     }
 
-    /// The process that pinned, while the pin is usable.
-    pub(crate) fn owner(&self) -> Option<u32> {
+    /// The module's drain: a registration the core knows, pinned with a free
+    /// callback, is to be revoked through the core as the callback would
+    /// (returns the core's id; a `dma_map` in progress then fails), but its
+    /// pin stays: only `release` in the pinning process or the callback can
+    /// end it. `None`: nothing to revoke (persistent, not bound yet, or
+    /// ended).
+    pub(crate) fn drain(&mut self) -> Option<u64> {
         match self.phase {
-            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapping | Phase::Mapped => {
-                Some(self.owner)
+            Phase::Bound | Phase::Mapping | Phase::Mapped if self.token.is_some() => {
+                self.phase = Phase::Drained;
+                Some(core::mem::take(&mut self.core))
             }
             _ => None,
         }
+    }
+
+    /// The process that pinned, while the pin is usable.
+    pub(crate) fn owner(&self) -> Option<u32> {
+        match self.phase {
+            Phase::Pinned
+            | Phase::Unusable
+            | Phase::Bound
+            | Phase::Mapping
+            | Phase::Mapped
+            | Phase::Drained => Some(self.owner),
+            _ => None,
+        }
+    }
+
+    /// The process that pinned, while the pin lives (usable, drained, being
+    /// undone, or kept for the free callback).
+    pub(crate) fn pin_owner(&self) -> Option<u32> {
+        (self.table.is_some() || self.token.is_some()).then_some(self.owner)
     }
 
     /// The mapping the core holds, while mapped.
@@ -429,7 +463,7 @@ impl<R: Resources> Lifecycle<R> {
     /// releases), for the caller to undo the device's access.
     pub(crate) fn revoked_map_mut(&mut self) -> Option<&mut R::Map> {
         match self.phase {
-            Phase::Revoked => self.map.as_mut(),
+            Phase::Revoked | Phase::Drained => self.map.as_mut(),
             _ => None,
         }
     }
@@ -438,7 +472,7 @@ impl<R: Resources> Lifecycle<R> {
     /// this process may, and end.
     pub(crate) fn release(&mut self, tgid: u32) -> Release<R> {
         match self.phase {
-            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped => {
+            Phase::Pinned | Phase::Unusable | Phase::Bound | Phase::Mapped | Phase::Drained => {
                 self.release_pin(tgid)
             }
             Phase::Revoked => {

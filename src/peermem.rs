@@ -39,8 +39,9 @@ mod exports;
 mod client;
 mod core_link;
 mod registration;
-// late binding to the core and the GPU driver
+// late binding to the core and the GPU driver, and the drain
 mod binding;
+mod drain;
 // what operators read
 #[cfg(CONFIG_KUNIT = "y")]
 mod tests;

@@ -77,6 +77,10 @@ causes! {
     PathPolicy = "path_policy",
     /// The GPU driver's topology gate refuses the GPU/peer pair.
     Topology = "topology",
+    /// The module is draining (`/sys/module/nvidia_peermem/drain`).
+    Draining = "draining",
+    /// The pin would take the GPU's BAR1 use past `bar1_limit_pct`.
+    Bar1 = "bar1",
 }
 
 counters! {
@@ -113,6 +117,8 @@ counters! {
     /// module than the one whose `acquire` made it (see `client::called`):
     /// 0 with a core that keeps a registration's client, as OFED's does.
     crossed_calls,
+    /// Registrations the drain revoked through the core.
+    drain_revoked,
     /// Persistent pins made to ask the GPU driver's topology gate about a
     /// GPU's peers (see `topology::learn_gate`): one per GPU per load.
     topology_probes,

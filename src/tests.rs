@@ -595,7 +595,7 @@ mod lifecycle_tests {
         }
     }
 
-    const PHASES: [Phase; 12] = [
+    const PHASES: [Phase; 13] = [
         Phase::Acquired,
         Phase::Pinning,
         Phase::Pinned,
@@ -604,6 +604,7 @@ mod lifecycle_tests {
         Phase::Mapping,
         Phase::Mapped,
         Phase::Revoked,
+        Phase::Drained,
         Phase::Unpinning,
         Phase::Stranded,
         Phase::Orphaned,
@@ -657,6 +658,11 @@ mod lifecycle_tests {
             Phase::Revoked if !persistent => {
                 let _ = l.invalidate();
             }
+            Phase::Drained if !persistent => {
+                let _ = l.start_map();
+                let _ = l.map_succeeded(MAP);
+                assert_eq!(l.drain(), Some(CTX));
+            }
             Phase::Stranded if !persistent => {
                 let _ = l.release(OWNER);
                 let _ = l.unpinned(false);
@@ -700,19 +706,28 @@ mod lifecycle_tests {
             use Phase::*;
             let holds = matches!(
                 p,
-                Pinned | Unusable | Bound | Mapping | Mapped | Unpinning | Stranded | Orphaned
+                Pinned
+                    | Unusable
+                    | Bound
+                    | Mapping
+                    | Mapped
+                    | Drained
+                    | Unpinning
+                    | Stranded
+                    | Orphaned
             );
             Self {
                 p,
                 persistent,
-                refusal: if p == Revoked {
+                refusal: if matches!(p, Revoked | Drained) {
                     Refusal::Revoked
                 } else {
                     Refusal::Forbidden(p)
                 },
                 holds: !persistent && holds,
-                pinned: matches!(p, Pinned | Unusable | Bound | Mapped),
-                mapped: p == Mapped,
+                pinned: matches!(p, Pinned | Unusable | Bound | Mapped | Drained),
+                // A drained registration keeps its mapping for the core.
+                mapped: matches!(p, Mapped | Drained),
             }
         }
 
@@ -791,15 +806,34 @@ mod lifecycle_tests {
         /// dma_unmap and put_pages: hand the map back once, never unpin.
         fn unmap_calls(&self) {
             let map = self.mapped.then_some(MAP);
+            let drained = self.p == Phase::Drained;
             let mut l = self.at();
-            assert_eq!(l.map(), map.as_ref());
+            assert_eq!(l.map().copied(), map.filter(|_| !drained));
             assert_eq!(l.unmap(), map);
             assert_eq!(l.unmap(), None);
             assert_eq!(l.put_pages(), None);
-            is_at(&l, self.moved(self.mapped, Phase::Bound));
+            let next = if drained { Phase::Drained } else { Phase::Bound };
+            is_at(&l, self.moved(self.mapped, next));
             let mut l = self.at();
             assert_eq!(l.put_pages(), map);
             assert_eq!(l.revoked_map_mut(), None);
+        }
+
+        /// The drain: revokes a bound registration with a callback through
+        /// the core (its id, once) and keeps the pin; nothing anywhere else.
+        fn drain_calls(&self) {
+            use Phase::*;
+            let mut l = self.at();
+            let ok = !self.persistent && matches!(self.p, Bound | Mapping | Mapped);
+            assert_eq!(l.drain(), ok.then_some(CTX));
+            assert_eq!(l.drain(), None);
+            is_at(&l, self.moved(ok, Drained));
+            assert_eq!(l.callback_armed(), self.holds);
+            if ok {
+                assert_eq!(l.owner(), Some(OWNER));
+                assert_eq!(l.start_map(), Err(Refusal::Revoked));
+                assert_eq!(l.bind(CTX), Err(Refusal::Revoked));
+            }
         }
 
         /// What the free callback must do here, what it hands back, and the
@@ -811,6 +845,8 @@ mod lifecycle_tests {
                 Pinning => (Invalidate::Quiet, None, Revoked),
                 Pinned | Unusable => (Invalidate::Quiet, Some(TABLE), Revoked),
                 Bound | Mapping | Mapped => (Invalidate::NotifyCore(CTX), Some(TABLE), Revoked),
+                // The drain told the core: the pin just ends.
+                Drained => (Invalidate::Quiet, Some(TABLE), Revoked),
                 Stranded => (Invalidate::Reaped { orphaned: false }, None, Released),
                 Orphaned => (Invalidate::Reaped { orphaned: true }, Some(TABLE), Released),
                 p => (Invalidate::Quiet, None, p),
@@ -899,6 +935,7 @@ mod lifecycle_tests {
                 case.get_pages_calls();
                 case.dma_map_calls();
                 case.unmap_calls();
+                case.drain_calls();
                 case.callback();
                 for tgid in [OWNER, OTHER] {
                     case.release_calls(tgid);

@@ -11,6 +11,7 @@ use kernel::{
         Atomic,
         Relaxed, //
     },
+    types::Opaque,
 };
 
 use super::{
@@ -20,6 +21,7 @@ use super::{
         RefCount,
         Spare, //
     },
+    registry,
     revoke::free_trampoline,
     ArmedCallback, Inner, Mode, RegRef, Registration, Span, GRANULE,
 };
@@ -65,6 +67,7 @@ fn object(
         holds_map: Atomic::new(0),
         refs: RefCount::new(),
         reap_link: ReapLink::new(),
+        link: Opaque::uninit(),
         _live: live,
     })
 }
@@ -105,7 +108,7 @@ impl Registration {
                 // Pinning starts before the object is shared (nobody else can
                 // see it yet, so no lock is needed to move it there).
                 let lc = (Lifecycle::pinning(), None);
-                let reg = spare.init(object(mode, range.start, granules, live, lc));
+                let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
                 reg.pin_invalidating(&reg)?;
                 reg
             }
@@ -114,7 +117,7 @@ impl Registration {
             // recorded without a lock.
             Mode::Persistent => {
                 let lc = Self::pin_persistent(&range)?;
-                spare.init(object(mode, range.start, granules, live, lc))
+                registry::add(spare.init(object(mode, range.start, granules, live, lc)))
             }
         };
         // The core holds it from now until `release`; counted by the caller

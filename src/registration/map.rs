@@ -10,6 +10,7 @@ use kernel::{
 
 use super::{
     refused,
+    registry,
     Entered,
     Held,
     Mode,
@@ -49,6 +50,15 @@ impl Registration {
             ));
         }
         let mut g = self.enter();
+        // Under the lock: a drain that set its flag meanwhile finds this
+        // registration bound (and revokes it) or it finds the flag.
+        if registry::draining() {
+            return Err(fail!(
+                Cause::Draining,
+                EBUSY,
+                "nvidia_peermem is draining: registration refused"
+            ));
+        }
         if let Some(e) = g.pin_error {
             return Err(fail!(
                 Cause::Pin,

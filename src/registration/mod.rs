@@ -26,6 +26,7 @@
 mod acquire;
 mod map;
 pub(crate) mod refs;
+pub(crate) mod registry;
 mod release;
 mod revoke;
 
@@ -48,6 +49,7 @@ use kernel::{
         },
         SpinLock,
     },
+    types::Opaque,
 };
 
 use crate::{
@@ -154,8 +156,10 @@ type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
 ///
 /// # Invariants
 ///
-/// `mode` never changes; the widened range is `start` and `granules`.
-#[pin_data]
+/// `mode` never changes; the widened range is `start` and `granules`. The
+/// object is on the drain's registry (`link`) from right after its
+/// initialisation until it is dropped.
+#[pin_data(PinnedDrop)]
 pub(crate) struct Registration {
     mode: Mode,
     /// The widened range (see [`Registration::range`]): its start, and its
@@ -177,7 +181,17 @@ pub(crate) struct Registration {
     holds_map: Atomic<u32>,
     refs: RefCount,
     reap_link: ReapLink,
+    /// Its link on the drain's registry.
+    #[pin]
+    link: Opaque<bindings::list_head>,
     _live: Liveness,
+}
+
+#[pinned_drop]
+impl PinnedDrop for Registration {
+    fn drop(self: Pin<&mut Self>) {
+        registry::remove(&self.link);
+    }
 }
 
 impl Counted for Registration {
@@ -204,7 +218,11 @@ impl fmt::Display for Span {
 
 fn refused(r: Refusal, call: &str) -> Error {
     match r {
-        Refusal::Revoked => fail!(Cause::Revoked, EFAULT, "GPU memory freed before {call}"),
+        Refusal::Revoked => fail!(
+            Cause::Revoked,
+            EFAULT,
+            "GPU memory freed (or the module drained) before {call}"
+        ),
         Refusal::Forbidden(p) => fail!(Cause::Order, EINVAL, "{call} in phase {p:?}"),
     }
 }
@@ -276,15 +294,16 @@ impl Registration {
 }
 
 // The object of the module's cache (a registration with its count, its lock,
-// its one-entry scatterlist and its mapping) stays below the C module's
-// memory per registration: its context (kmalloc-128) plus its one-entry
-// scatterlist (kmalloc-32), 160 bytes. Production kernels only: lock
-// debugging makes every lock bigger. The bound is 144 with the 4-byte
-// spinlock_t of a non-RT kernel; on PREEMPT_RT spinlock_t is a sleeping
-// rt_mutex, and the bound grows by exactly what the lock grows by.
+// its one-entry scatterlist, its mapping and its link on the drain's
+// registry) stays within the C module's memory per registration: its context
+// (kmalloc-128) plus its one-entry scatterlist (kmalloc-32), 160 bytes.
+// Production kernels only: lock debugging makes every lock bigger. The bound
+// is 160 with the 4-byte spinlock_t of a non-RT kernel; on PREEMPT_RT
+// spinlock_t is a sleeping rt_mutex, and the bound grows by exactly what the
+// lock grows by.
 #[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK)))]
 const _: () = assert!(
-    core::mem::size_of::<Registration>() <= 144 - 4 + core::mem::size_of::<bindings::spinlock_t>()
+    core::mem::size_of::<Registration>() <= 160 - 4 + core::mem::size_of::<bindings::spinlock_t>()
 );
 #[cfg(not(any(CONFIG_LOCKDEP, CONFIG_DEBUG_SPINLOCK, CONFIG_PREEMPT_RT)))]
 const _: () = assert!(core::mem::size_of::<bindings::spinlock_t>() == 4);

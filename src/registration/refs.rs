@@ -33,12 +33,14 @@ use kernel::{
     bindings,
     ffi::c_void,
     prelude::*,
-    sync::atomic::{
-        Acquire,
-        Atomic,
-        Full,
-        Relaxed,
-        Release, //
+    sync::{
+        atomic::{
+            Acquire,
+            Atomic,
+            Relaxed,
+            Release, //
+        },
+        Refcount,
     },
 };
 
@@ -93,13 +95,14 @@ impl Drop for ObjectCache {
     }
 }
 
-/// The count of an object's references, a field of the object.
-pub(crate) struct RefCount(Atomic<u32>);
+/// The count of an object's references, a field of the object: the
+/// kernel's `refcount_t` (saturating).
+pub(crate) struct RefCount(Refcount);
 
 impl RefCount {
     /// One reference: its creator's ([`Spare::init`]).
-    pub(crate) const fn new() -> Self {
-        Self(Atomic::new(1))
+    pub(crate) fn new() -> Self {
+        Self(Refcount::new(1))
     }
 }
 
@@ -110,7 +113,7 @@ impl RefCount {
 /// Points to a live, initialized, pinned `T` from the module's cache, whose
 /// [`RefCount`] counts this reference; when the count drops to zero the
 /// object is dropped in place and returned to the cache. The count never
-/// exceeds 3 (see the module), so it cannot overflow.
+/// exceeds 4 (see the module, and the drain's one), so it cannot saturate.
 pub(crate) struct Ref<T: Counted>(NonNull<T>);
 
 // SAFETY: `T` is `Send + Sync` and the count is atomic: a reference may be
@@ -218,9 +221,29 @@ impl<T: Counted> Deref for Ref<T> {
     }
 }
 
+impl<T: Counted> Ref<T> {
+    /// A new reference on `obj`, unless its last one is being dropped (the
+    /// drain finds objects whose count may have reached zero: it takes a
+    /// reference only on those that live on).
+    ///
+    /// # Safety
+    ///
+    /// `obj` must be an object of the module's cache whose memory stays
+    /// valid for the call (it is freed only after it left wherever the
+    /// caller found it).
+    pub(crate) unsafe fn get_unless_zero(obj: &T) -> Option<Self> {
+        let count = core::ptr::from_ref(&obj.refs().0).cast_mut().cast();
+        // SAFETY: `Refcount` is a transparent `refcount_t`, valid for the
+        // call (caller).
+        let live = unsafe { ffi::peermem_refcount_inc_not_zero(count) };
+        // INVARIANT: counted above, on a live object of the cache.
+        live.then(|| Self(NonNull::from(obj)))
+    }
+}
+
 impl<T: Counted> Clone for Ref<T> {
     fn clone(&self) -> Self {
-        self.refs().0.add(1, Relaxed);
+        self.refs().0.inc();
         // INVARIANT: counted above.
         Self(self.0)
     }
@@ -228,9 +251,9 @@ impl<T: Counted> Clone for Ref<T> {
 
 impl<T: Counted> Drop for Ref<T> {
     fn drop(&mut self) {
-        // Full: this thread's uses of the object happen before the free, and
-        // every other thread's before this one's free.
-        if self.refs().0.fetch_sub(1, Full) != 1 {
+        // refcount_dec_and_test orders this thread's uses of the object
+        // before the free, and every other thread's before this one's free.
+        if !self.refs().0.dec_and_test() {
             return;
         }
         let p = self.0.as_ptr();

@@ -99,13 +99,42 @@ impl Registration {
         }
     }
 
+    /// The module's drain: revokes this registration through the core as the
+    /// free callback would, if it is an invalidating one the core holds; its
+    /// pin stays until `release` or the callback (see
+    /// [`crate::lifecycle::Lifecycle::drain`]). Whether it revoked.
+    pub(crate) fn drain(&self) -> bool {
+        let ctx = {
+            let mut g = self.enter();
+            let ctx = g.lc.drain();
+            if ctx.is_some() {
+                // `release` waits until the core's invalidate returned.
+                g.in_core = Some(compat::current_ids().0);
+            }
+            ctx
+        };
+        let Some(ctx) = ctx else {
+            return false;
+        };
+        STATS.drain_revoked.add(1, Relaxed);
+        self.revoke_in_core(ctx);
+        true
+    }
+
+    /// Who holds this registration's pin, its mode and length, while the
+    /// pin lives.
+    pub(crate) fn holder(&self) -> Option<(u32, Mode, u64)> {
+        let owner = self.enter().lc.pin_owner()?;
+        Some((owner, self.mode, self.range().len))
+    }
+
     /// Asks the core to revoke the registration it knows as `ctx`, then
     /// undoes the device's access unless the core did from inside its
     /// invalidate (legacy cores). The scatterlist stays until the core unmaps
     /// or releases.
     fn revoke_in_core(&self, ctx: u64) {
         // The core's invalidate takes mutexes: the GPU driver must call us
-        // from sleepable context (lockdep checks it).
+        // from sleepable context (lockdep checks it), as the drain does.
         kernel::task::might_sleep();
         STATS.core_invalidations.add(1, Relaxed);
         core_link::INVALIDATING.invalidate(ctx);
