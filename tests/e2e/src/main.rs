@@ -11,6 +11,7 @@
 mod bench;
 mod demo;
 mod dev;
+mod drain;
 mod hostile;
 mod late;
 mod module;

@@ -190,6 +190,26 @@ pub const ALL: &[Scenario] = &[
         run: crate::late::late_binding_core_check,
     },
     Scenario {
+        name: "drain_core_restart",
+        applies: ours,
+        run: crate::drain::drain_core_restart,
+    },
+    Scenario {
+        name: "drain_gpu_restart",
+        applies: ours,
+        run: crate::drain::drain_gpu_restart,
+    },
+    Scenario {
+        name: "drain_resume",
+        applies: ours,
+        run: crate::drain::drain_resume,
+    },
+    Scenario {
+        name: "self_upgrade",
+        applies: ours,
+        run: crate::drain::self_upgrade,
+    },
+    Scenario {
         name: "pair_table_full",
         applies: ours,
         run: pair_table_full,
