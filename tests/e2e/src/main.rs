@@ -468,7 +468,7 @@ fn main() {
             let r = ctx
                 .unload()
                 .and_then(|()| ctx.load_unsettled())
-                .and_then(|()| stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed))
+                .and_then(|()| stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed, !ctx.opts.reference))
                 .and_then(|d| scenarios::quiescent(&ctx).map(|_| d));
             match r {
                 Ok(d) => {

@@ -7,23 +7,39 @@
 //! and flags, deregister, free by munmap or ioctl, query, device DMA, a child
 //! process killed with live registrations), checking every outcome against a
 //! model of what must happen in the module's mode. Threads contend in the
-//! kernel (provider, core and module locks). The seed is printed; the same
-//! seed replays the same per-thread operation sequences.
+//! kernel (provider, core and module locks). With the module under test, one
+//! more thread drains it and ends the drain at random moments
+//! (`/sys/module/nvidia_peermem/drain`): registrations it overlaps may be
+//! refused, and invalidating ones made before it revoked. The seed is
+//! printed; the same seed replays the same per-thread operation sequences.
 
 use std::{
     io::{BufRead, BufReader},
     process::{Command, Stdio},
-    time::Instant,
+    sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
+    time::{Duration, Instant},
 };
 
 use crate::{dev::Alloc, dev::Core, dev::Gpu, uapi::*, Mode};
 
 const K64: u64 = 64 << 10;
 
+/// Drains begun, and whether one is on (the drainer thread's).
+static DRAINS: AtomicU64 = AtomicU64::new(0);
+static DRAINING: AtomicBool = AtomicBool::new(false);
+
+/// The drains begun so far, counting one that is on as not over.
+fn drain_epoch() -> u64 {
+    DRAINS.load(SeqCst) * 2 + u64::from(DRAINING.load(SeqCst))
+}
+
 struct Mr {
     handle: u64,
     alloc: usize,
     inval: bool,
+    /// [`drain_epoch`] before it was registered: a drain since may have
+    /// revoked it.
+    epoch: u64,
     /// Registered length: the device may touch no more than this.
     len: u64,
 }
@@ -50,6 +66,16 @@ struct Counts {
     query: u64,
     dma: u64,
     kill: u64,
+    /// Registrations a drain refused.
+    drained: u64,
+}
+
+impl Mr {
+    /// Whether a drain may have revoked it (an invalidating registration of
+    /// the invalidating client, made before a drain began).
+    fn maybe_drained(&self, mode: Mode) -> bool {
+        mode.invalidating() && self.inval && drain_epoch() > self.epoch
+    }
 }
 
 fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts, String> {
@@ -94,16 +120,22 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             let off = next(&mut x) % a.size;
             let len = 1 + next(&mut x) % (a.size - off);
             let inval = next(&mut x) % 2 == 0;
+            let epoch = drain_epoch();
             let res = c.reg(a.va + off, len, if inval { PMC_REG_INVAL_SUPP } else { 0 });
+            let drained = epoch % 2 == 1 || drain_epoch() != epoch;
             n.reg += 1;
             match (res, *is_freed) {
                 (Ok(h), false) => p.mrs.push(Mr {
                     handle: h,
                     alloc: i,
                     inval,
+                    epoch,
                     len,
                 }),
                 (Err(libc::EFAULT), true) => {}
+                // Refused by a drain: not claimed (the core's EFAULT), or
+                // refused at `get_pages`.
+                (Err(libc::EFAULT | libc::EBUSY), false) if drained => n.drained += 1,
                 (Ok(_), true) => return Err(e("register freed GPU memory succeeded", 0)),
                 (Err(err), _) => return Err(e("reg", err)),
             }
@@ -132,7 +164,7 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             for mr in p.mrs.iter().filter(|m| m.alloc == i) {
                 let q = c.query(mr.handle).map_err(|err| e("query", err))?;
                 let revoke = mode.invalidating() && mr.inval;
-                if (q.revoked == 1) != revoke {
+                if (q.revoked == 1) != revoke && !mr.maybe_drained(mode) {
                     return Err(e(
                         &format!("after a free, revoked={} (inval {})", q.revoked, mr.inval),
                         0,
@@ -153,7 +185,7 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
                 let q = c.query(mr.handle).map_err(|err| e("query", err))?;
                 let gone = p.allocs[mr.alloc].as_ref().is_none_or(|a| a.1);
                 let want_revoked = gone && mode.invalidating() && mr.inval;
-                if (q.revoked == 1) != want_revoked {
+                if (q.revoked == 1) != want_revoked && !(q.revoked == 1 && mr.maybe_drained(mode)) {
                     return Err(e(
                         &format!("MR revoked={} expected {want_revoked}", q.revoked),
                         0,
@@ -173,6 +205,8 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             n.dma += 1;
             match (res, q.revoked) {
                 (Ok(_), 0) | (Err(libc::EACCES), 1) => {}
+                // A drain revoked it since the query.
+                (Err(libc::EACCES), 0) if mr.maybe_drained(mode) => {}
                 (r, rev) => return Err(e(&format!("DMA {r:?} on MR revoked={rev}"), 0)),
             }
             // Past the end of a short MR: refused, whatever its state.
@@ -187,6 +221,7 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             }
         } else {
             // a child with live registrations, killed
+            let epoch = drain_epoch();
             let mut child = Command::new(exe)
                 .arg("child-hold")
                 .stdout(Stdio::piped())
@@ -199,7 +234,8 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
             child.kill().map_err(|err| err.to_string())?;
             n.kill += 1;
             child.wait().map_err(|err| err.to_string())?;
-            if line.trim() != "ready" {
+            let drained = epoch % 2 == 1 || drain_epoch() != epoch;
+            if line.trim() != "ready" && !drained {
                 return Err(format!("thread {t}: child could not register: {line}"));
             }
         }
@@ -213,26 +249,53 @@ fn worker(t: usize, ops: u64, seed: u64, mode: Mode, exe: &str) -> Result<Counts
     Ok(n)
 }
 
-/// Runs `ops` operations over `threads` threads; prints the rate.
-pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64) -> Result<String, String> {
+const DRAIN: &str = "/sys/module/nvidia_peermem/drain";
+
+/// Drains the module and ends the drain at random moments until `stop`.
+fn drainer(seed: u64, stop: &AtomicBool) -> Result<(), String> {
+    let mut x = seed ^ 0xd1a1_d1a1;
+    let write = |v: &str| std::fs::write(DRAIN, v).map_err(|e| format!("drainer: {DRAIN}: {e}"));
+    while !stop.load(SeqCst) {
+        std::thread::sleep(Duration::from_millis(20 + next(&mut x) % 200));
+        DRAINING.store(true, SeqCst);
+        write("1")?;
+        std::thread::sleep(Duration::from_millis(next(&mut x) % 30));
+        write("0")?;
+        DRAINS.fetch_add(1, SeqCst);
+        DRAINING.store(false, SeqCst);
+    }
+    Ok(())
+}
+
+/// Runs `ops` operations over `threads` threads (and, with `drain`, the
+/// drainer); prints the rate.
+pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64, drain: bool) -> Result<String, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let exe = exe.to_string_lossy().into_owned();
     let t0 = Instant::now();
     let per = ops / threads as u64;
-    let results: Vec<Result<Counts, String>> = std::thread::scope(|s| {
+    let (d0, stop) = (DRAINS.load(SeqCst), AtomicBool::new(false));
+    let (results, drained) = std::thread::scope(|s| {
+        let d = drain.then(|| s.spawn(|| drainer(seed, &stop)));
         let hs: Vec<_> = (0..threads)
             .map(|t| {
                 let exe = exe.clone();
                 s.spawn(move || worker(t, per, seed, mode, &exe))
             })
             .collect();
-        hs.into_iter()
+        let results: Vec<Result<Counts, String>> = hs
+            .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err("stress thread panicked".into()))
             })
-            .collect()
+            .collect();
+        stop.store(true, SeqCst);
+        let drained = d.map_or(Ok(()), |d| d.join().unwrap_or_else(|_| Err("drainer panicked".into())));
+        (results, drained)
     });
+    drained?;
+    let drains = DRAINS.load(SeqCst) - d0;
     let mut n = Counts::default();
     for r in results {
         let c = r?;
@@ -243,13 +306,14 @@ pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64) -> Result<String, St
         n.query += c.query;
         n.dma += c.dma;
         n.kill += c.kill;
+        n.drained += c.drained;
     }
     let total = n.alloc + n.reg + n.dereg + n.free + n.query + n.dma + n.kill;
     let secs = t0.elapsed().as_secs_f64();
     Ok(format!(
-        "{total} operations in {secs:.1} s ({:.0} ops/s; {} alloc, {} reg, {} dereg, {} free, {} query, {} DMA, {} killed children), {threads} threads, seed {seed}",
+        "{total} operations in {secs:.1} s ({:.0} ops/s; {} alloc, {} reg, {} dereg, {} free, {} query, {} DMA, {} killed children), {threads} threads, {drains} drains ({} registrations refused by them), seed {seed}",
         total as f64 / secs,
-        n.alloc, n.reg, n.dereg, n.free, n.query, n.dma, n.kill
+        n.alloc, n.reg, n.dereg, n.free, n.query, n.dma, n.kill, n.drained
     ))
 }
 
