@@ -421,6 +421,13 @@ pub(crate) struct Charge {
     proc_slot: u16,
 }
 
+/// A pin charged to its GPU's BAR1 use: the GPU's slot and the pin's first
+/// 64 KiB page in that GPU's BAR.
+pub(crate) struct Bar1 {
+    gpu: u8,
+    page: core::num::NonZeroU32,
+}
+
 /// No process slot was free: the process is not counted.
 const NO_PROC: u16 = u16::MAX;
 

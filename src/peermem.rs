@@ -93,12 +93,33 @@ struct NvidiaPeermem {
     // After the clients and the reaper: no registration is left by then.
     _waitq: waitq::WaitQueue,
     _cache: registration::RegCache,
-    // Last: nothing calls the core or the GPU driver any more.
+    // Nothing calls the core or the GPU driver any more.
     _exporters: binding::Exporters,
+    // Last: the line for the log.
+    _farewell: Farewell,
 }
 
 impl kernel::Module for NvidiaPeermem {
     fn init(_module: &'static ThisModule) -> Result<Self> {
+        // One line for a failed load (what `peermem-stat doctor` reads as
+        // the outcome of the latest attempt), one at exit (`Farewell`).
+        Self::load().inspect_err(|e| {
+            pr_err!("version {} not loaded: {e:?}\n", env!("PEERMEM_VERSION"));
+        })
+    }
+}
+
+/// Says the module is unloaded: dropped after everything else.
+struct Farewell;
+
+impl Drop for Farewell {
+    fn drop(&mut self) {
+        pr_info!("version {} unloaded\n", env!("PEERMEM_VERSION"));
+    }
+}
+
+impl NvidiaPeermem {
+    fn load() -> Result<Self> {
         let (persistent, legacy) = params::load()?;
         // First: on a failed load, dropped last.
         let exporters = binding::Exporters::new(persistent, legacy);
@@ -118,6 +139,7 @@ impl kernel::Module for NvidiaPeermem {
             _waitq: waitq,
             _cache: cache,
             _exporters: exporters,
+            _farewell: Farewell,
         })
     }
 }

@@ -109,10 +109,6 @@ counters! {
     stranded_pins,
     /// Persistent pins whose unpin failed (lost to the client).
     leaked_pins,
-    /// Calls of the core that found a persistent registration busy with
-    /// another of its calls (see `registration`): 0 unless the core breaks
-    /// its one-call-at-a-time order.
-    claim_waits,
     /// Calls of the core on a registration through the other client of the
     /// module than the one whose `acquire` made it (see `client::called`):
     /// 0 with a core that keeps a registration's client, as OFED's does.

@@ -1435,7 +1435,7 @@ mod abi_tests {
     }
 
     /// Counters the stats file must name, each once.
-    const COUNTERS: [&str; 18] = [
+    const COUNTERS: [&str; 20] = [
         "live_registrations",
         "pinned_bytes",
         "acquired",
@@ -1449,11 +1449,13 @@ mod abi_tests {
         "orphaned_pins",
         "stranded_pins",
         "leaked_pins",
-        "claim_waits",
         "crossed_calls",
+        "drain_revoked",
         "topology_probes",
         "fail_bad_range",
         "fail_topology",
+        "fail_draining",
+        "fail_bar1",
     ];
 
     #[test]
@@ -1478,7 +1480,7 @@ mod abi_tests {
             assert!(w.next().is_some_and(|v| v.parse::<u64>().is_ok()));
             assert!(w.next().is_none());
         }
-        assert_eq!(text.lines().filter(|l| l.starts_with("fail_")).count(), 12);
+        assert_eq!(text.lines().filter(|l| l.starts_with("fail_")).count(), 14);
         Ok(())
     }
 

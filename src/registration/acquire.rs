@@ -62,6 +62,7 @@ fn object(
             mapper: false,
             waiters: 0,
             charge: None,
+            bar1: None,
         }, "Registration::inner"),
         sg_slot: SgSlot::new(),
         holds_map: Atomic::new(0),

@@ -20,8 +20,7 @@
 //! table), on the module's wait queue. A persistent registration has no free
 //! callback: only the core calls it, one call at a time (it makes and
 //! destroys a umem in one thread each; real-driver-behaviour.md, facts 12 to
-//! 14). A call that finds a persistent registration's lock taken is counted
-//! in `claim_waits`, which every scenario checks stays 0.
+//! 14); the drain takes its lock only to name its process.
 
 mod acquire;
 mod map;
@@ -68,8 +67,7 @@ use crate::{
     sg::SgSlot,
     stats::{
         fail,
-        Cause,
-        STATS, //
+        Cause, //
     },
     waitq,
 };
@@ -147,7 +145,11 @@ struct Inner {
     /// What the registration is counted under per pair, GPU and process,
     /// from its mapping until its pin ends.
     charge: Option<Charge>,
+    /// Its pin's charge to its GPU's BAR1 use, from the pin until the pin
+    /// ends.
+    bar1: Option<crate::accounting::Bar1>,
 }
+
 
 /// Inside a registration's lock.
 type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
@@ -228,16 +230,8 @@ fn refused(r: Refusal, call: &str) -> Error {
 }
 
 impl Registration {
-    /// Enters the registration's state. A persistent registration's lock is
-    /// never contended by a core that keeps its one-call-at-a-time order:
-    /// contention there is counted.
+    /// Enters the registration's state.
     fn enter(&self) -> Entered<'_> {
-        if self.mode == Mode::Persistent {
-            if let Some(g) = self.inner.try_lock() {
-                return g;
-            }
-            STATS.claim_waits.add(1, Relaxed);
-        }
         self.inner.lock()
     }
 

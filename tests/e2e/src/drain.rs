@@ -95,7 +95,11 @@ fn drain_with_mrs(ctx: &mut Ctx) -> Result<Vec<String>, String> {
         ensure!(qi.state == want && qi.revoked == 1, "invalidating MR after the drain: state {}", qi.state);
         expect_err(ctx.core.dma_read(hi, 4096, 64), libc::EACCES, "DMA through the drained MR")?;
         ensure!(stat("drain_revoked") == revoked0 + 1, "drain_revoked {}", stat("drain_revoked") - revoked0);
-        lines.push(logged(&mark, "pins of GPU memory")?);
+        // OFED 4.x releases the registration from inside its invalidate:
+        // its pin ends there; the others keep it until the deregistration.
+        if ctx.mode != crate::Mode::Ofed4 {
+            lines.push(logged(&mark, "pins of GPU memory")?);
+        }
     } else {
         ensure!(qi.state == PMC_STATE_MAPPED, "persistent MR changed by the drain: {}", qi.state);
         ensure!(stat("drain_revoked") == revoked0, "a persistent MR was revoked");
@@ -146,9 +150,22 @@ fn traffic(ctx: &mut Ctx) -> Result<String, String> {
     Ok(out.join(" "))
 }
 
+/// Runs `f`; on a failure ends the drain, so that the next scenarios run.
+fn ended(ctx: &mut Ctx, f: fn(&mut Ctx) -> Result<String, String>) -> Result<String, String> {
+    let r = f(ctx);
+    if r.is_err() {
+        let _ = drain(false);
+    }
+    r
+}
+
 /// The core's module unloaded and loaded again under a drained module,
 /// with traffic before and after: the module registers again by itself.
 pub(crate) fn drain_core_restart(ctx: &mut Ctx) -> Result<String, String> {
+    ended(ctx, core_restart)
+}
+
+fn core_restart(ctx: &mut Ctx) -> Result<String, String> {
     let before = traffic(ctx)?;
     let mut lines = drain_with_mrs(ctx)?;
     ctx.core = Core::placeholder()?;
@@ -169,6 +186,10 @@ pub(crate) fn drain_core_restart(ctx: &mut Ctx) -> Result<String, String> {
 /// The same for the GPU driver: unloaded and loaded again under a drained
 /// module, which binds to it again by itself.
 pub(crate) fn drain_gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
+    ended(ctx, gpu_restart)
+}
+
+fn gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
     let before = traffic(ctx)?;
     let mut lines = drain_with_mrs(ctx)?;
     let style = read("/sys/kernel/debug/nv_p2p_emu/dma_map_style");
@@ -188,6 +209,10 @@ pub(crate) fn drain_gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
 /// registrations again; after it completed, it registers again with the
 /// core and driver that stayed loaded.
 pub(crate) fn drain_resume(ctx: &mut Ctx) -> Result<String, String> {
+    ended(ctx, resume)
+}
+
+fn resume(ctx: &mut Ctx) -> Result<String, String> {
     let b = ctx.gpu().alloc(0, M2).map_err(errno_name)?;
     let hp = live_mr(ctx, &b, 0)?;
     drain(true)?;
@@ -211,6 +236,10 @@ pub(crate) fn drain_resume(ctx: &mut Ctx) -> Result<String, String> {
 /// Upgrading the module itself on a live node: drain (live MRs revoked or
 /// waited for), rmmod, insmod of the new build, traffic again.
 pub(crate) fn self_upgrade(ctx: &mut Ctx) -> Result<String, String> {
+    ended(ctx, upgrade)
+}
+
+fn upgrade(ctx: &mut Ctx) -> Result<String, String> {
     let lines = drain_with_mrs(ctx)?;
     ensure!(module::rmmod("nvidia_peermem")?, "rmmod nvidia_peermem refused after the drain");
     let mark = LogMark::new();

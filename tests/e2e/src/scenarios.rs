@@ -392,12 +392,6 @@ pub fn quiescent(ctx: &Ctx) -> Result<(), String> {
             s.get("orphaned_pins") == Some(&0) && s.get("stranded_pins") == Some(&0),
             "pins left to free callbacks: {s:?}"
         );
-        // The core made one call of a persistent registration at a time
-        // (the fact its claim rests on, see `src/access.rs`).
-        ensure!(
-            s.get("claim_waits") == Some(&0),
-            "calls of the core overlapped on a persistent registration: {s:?}"
-        );
         // Per GPU and per process, exactly nothing is left either.
         let gpus = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
             .map_err(|e| format!("gpus: {e}"))?;

@@ -48,8 +48,8 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
     ),
     ("leaked_pins", "persistent pins whose unpin failed (lost)"),
     (
-        "claim_waits",
-        "core calls that overlapped on a persistent registration (0 expected)",
+        "drain_revoked",
+        "registrations the drain revoked through the core",
     ),
     (
         "crossed_calls",
