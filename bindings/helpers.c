@@ -139,11 +139,27 @@ module_param(path_accounting, int, 0444);
 MODULE_PARM_DESC(path_accounting, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (/sys/module/nvidia_peermem/stats/paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
 
 /* The value of parameter @which, in the order of src/params.rs's Param. */
+/* Writable by root at run time; 0..100 (param_set_uint_minmax). */
+static unsigned int bar1_limit_pct = 80;
+
+static int peermem_pct_set(const char *val, const struct kernel_param *kp)
+{
+	return param_set_uint_minmax(val, kp, 0, 100);
+}
+
+static const struct kernel_param_ops peermem_pct_ops = {
+	.set = peermem_pct_set,
+	.get = param_get_uint,
+};
+module_param_cb(bar1_limit_pct, &peermem_pct_ops, &bar1_limit_pct, 0644);
+MODULE_PARM_DESC(bar1_limit_pct, "refuse a pin (ENOMEM) that would take a GPU's BAR1 use past this share of its BAR1 size, in percent (1..100, default 80: below the GPU driver's own reserve on a 256 MiB BAR1); 0: no limit");
+
 int peermem_param(unsigned int which)
 {
 	const int values[] = {
 		persistent_api_support, peerdirect_support, path_policy,
 		allow_unverified_paths, pair_table_slots, path_accounting,
+		READ_ONCE(bar1_limit_pct),
 	};
 
 	return which < ARRAY_SIZE(values) ? values[which] : -1;

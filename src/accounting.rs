@@ -13,6 +13,10 @@ use core::fmt;
 
 use kernel::{
     prelude::*,
+    rbtree::{
+        RBTree,
+        RBTreeNodeReservation, //
+    },
     sync::global_lock, //
 };
 
@@ -97,6 +101,11 @@ struct GpuRec {
     gate_asked: u32,
     /// The platform observed when the driver could not be asked.
     platform: Platform,
+    /// BAR1 bytes pinned, each run once (`bar1_charge`), their peak, and
+    /// the pins the BAR1 guard refused.
+    bar1_used: u64,
+    bar1_max: u64,
+    bar1_refused: u64,
 }
 
 /// One process with live registrations; free while `live` is 0.
@@ -119,7 +128,13 @@ struct Tables {
     procs: [ProcRec; PROCS],
     pair_end: usize,
     gpu_end: usize,
+    /// Every GPU's pinned BAR1 runs with their pins (`bar1_charge`).
+    runs: Option<RBTree<RunKey, u32>>,
 }
+
+/// A pinned run of a GPU's BAR1: the GPU's slot, its first 64 KiB page in
+/// the BAR, and its pages.
+type RunKey = (u8, u32, u32);
 
 const FREE_PAIR: PairRec = PairRec {
     gpu: 0,
@@ -155,6 +170,9 @@ const FREE_GPU: GpuRec = GpuRec {
         passthrough: false,
         flagged_chipset: false,
     },
+    bar1_used: 0,
+    bar1_max: 0,
+    bar1_refused: 0,
 };
 
 const FREE_PROC: ProcRec = ProcRec {
@@ -172,6 +190,7 @@ global_lock! {
         procs: [FREE_PROC; PROCS],
         pair_end: 0,
         gpu_end: 0,
+        runs: None,
     };
 }
 
@@ -379,7 +398,7 @@ pub(crate) fn forget_device(id: u32) {
     }
     for g in t.gpus.iter_mut().filter(|g| g.bar_start != 0 && g.id == id) {
         g.retired = true;
-        if g.live == 0 {
+        if g.live == 0 && g.bar1_used == 0 {
             *g = FREE_GPU;
         }
     }
@@ -422,10 +441,122 @@ pub(crate) struct Charge {
 }
 
 /// A pin charged to its GPU's BAR1 use: the GPU's slot and the pin's first
-/// 64 KiB page in that GPU's BAR.
+/// 64 KiB page in that GPU's BAR (+1).
+///
+/// # Invariants
+///
+/// Made only by [`bar1_charge`], which counted one pin of the run
+/// (`gpu`, `page - 1`, the pin's pages) that [`Bar1::release`] uncounts.
 pub(crate) struct Bar1 {
     gpu: u8,
     page: core::num::NonZeroU32,
+}
+
+/// A pin the BAR1 guard refused: its GPU, the use it would have made, the
+/// limit, the BAR's size.
+pub(crate) struct Bar1Refusal {
+    pub(crate) gpu: u32,
+    pub(crate) use_after: u64,
+    pub(crate) limit: u64,
+    pub(crate) size: u64,
+}
+
+/// What [`bar1_charge`] did.
+pub(crate) enum Bar1Charged {
+    /// Charged (a run already pinned costs nothing more).
+    Yes(Bar1),
+    /// The pin would take the GPU's use past the limit: refused.
+    Refused(Bar1Refusal),
+    /// No record of a GPU whose BAR holds the pin: record it and retry.
+    UnknownGpu,
+}
+
+/// Charges a pin of `len` bytes whose first page is at BAR address `phys`
+/// to its GPU's BAR1 use, as the GPU driver spends it: it maps a GPU page
+/// into BAR1 once for every pin of it (real-driver-behaviour.md, BAR1), so
+/// a run pinned again (the same memory registered on another HCA) costs
+/// nothing more; another run of overlapping pages is counted again, so the
+/// use can be over-counted by such overlaps (docs/design.md, "The BAR1
+/// guard"). Refused when the use would pass `pct` percent of the BAR (0:
+/// no limit).
+pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
+    const PAGE: u64 = crate::range::GPU_PAGE_SIZE;
+    // Allocated before the lock; unused when the run is pinned already.
+    let node = RBTreeNodeReservation::new(GFP_KERNEL);
+    let mut guard = TABLES.lock();
+    let t = &mut *guard;
+    let Some(gpu) = gpu_in(t, phys) else {
+        return Bar1Charged::UnknownGpu;
+    };
+    let g = t.gpus[gpu.slot];
+    let (page, pages) = ((phys - g.bar_start) / PAGE, len / PAGE);
+    let key = (gpu.slot as u8, page as u32, pages as u32);
+    let bar = Bar1 {
+        gpu: key.0,
+        page: core::num::NonZeroU32::MIN.saturating_add(key.1),
+    };
+    let runs = t.runs.get_or_insert_with(RBTree::new);
+    if let Some(pins) = runs.get_mut(&key) {
+        *pins += 1;
+        return Bar1Charged::Yes(bar);
+    }
+    let size = g.bar_end - g.bar_start + 1;
+    let limit = if pct == 0 { size } else { size / 100 * pct };
+    let use_after = g.bar1_used + len;
+    let Ok(node) = node.inspect_err(|_| t.gpus[gpu.slot].bar1_refused += 1) else {
+        return Bar1Charged::Refused(Bar1Refusal {
+            gpu: g.id,
+            use_after,
+            limit: 0,
+            size,
+        });
+    };
+    if use_after > limit {
+        t.gpus[gpu.slot].bar1_refused += 1;
+        return Bar1Charged::Refused(Bar1Refusal {
+            gpu: g.id,
+            use_after,
+            limit,
+            size,
+        });
+    }
+    runs.insert(node.into_node(key, 1));
+    let g = &mut t.gpus[gpu.slot];
+    g.bar1_used = use_after;
+    g.bar1_max = g.bar1_max.max(use_after);
+    Bar1Charged::Yes(bar)
+}
+
+impl Bar1 {
+    /// The pin ended; `len` is what it was charged with.
+    pub(crate) fn release(self, len: u64) {
+        let key = (
+            self.gpu,
+            self.page.get() - 1,
+            (len / crate::range::GPU_PAGE_SIZE) as u32,
+        );
+        let mut guard = TABLES.lock();
+        let t = &mut *guard;
+        let Some(runs) = t.runs.as_mut() else {
+            return;
+        };
+        let Some(pins) = runs.get_mut(&key) else {
+            return;
+        };
+        *pins -= 1;
+        if *pins > 0 {
+            return;
+        }
+        // Freed after the lock (the tree's node).
+        let node = runs.remove_node(&key);
+        let g = &mut t.gpus[usize::from(self.gpu)];
+        g.bar1_used -= len;
+        if g.retired && g.live == 0 && g.bar1_used == 0 {
+            *g = FREE_GPU;
+        }
+        drop(guard);
+        drop(node);
+    }
 }
 
 /// No process slot was free: the process is not counted.
@@ -480,7 +611,7 @@ impl Charge {
         let g = &mut t.gpus[usize::from(self.gpu.get() - 1)];
         g.live -= 1;
         g.pinned -= bytes;
-        if g.retired && g.live == 0 {
+        if g.retired && g.live == 0 && g.bar1_used == 0 {
             *g = FREE_GPU;
         }
         if let Some(p) = t.procs.get_mut(usize::from(self.proc_slot)) {
@@ -617,13 +748,17 @@ pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
             let (near, far) = g.gate;
             writeln!(
             f,
-            "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={}",
+            "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={} bar1_size={} bar1_used={} max_bar1_used={} bar1_refused={}",
             Bdf(g.id),
             g.live,
             g.pinned,
             g.max_pinned,
             verdict_name(near),
             verdict_name(far),
+            g.bar_end - g.bar_start + 1,
+            g.bar1_used,
+            g.bar1_max,
+            g.bar1_refused,
         )
         },
     )

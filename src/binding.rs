@@ -384,8 +384,11 @@ unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
 /// `module` must be valid for the call.
 unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
     // SAFETY: valid for the call (caller).
-    unsafe { ModuleRef::get(module) }
-        .is_some_and(|m| [P2P_NAMES[0], CORE_NAMES[0]].iter().any(|n| !m.export(n).is_null()))
+    unsafe { ModuleRef::get(module) }.is_some_and(|m| {
+        [P2P_NAMES[0], CORE_NAMES[0]]
+            .iter()
+            .any(|n| !m.export(n).is_null())
+    })
 }
 
 /// Binds what is live and registers if both are; says so (`why`: the

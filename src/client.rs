@@ -21,10 +21,7 @@ use kernel::{
 use kernel::sync::atomic::Relaxed;
 
 use crate::{
-    compat,
-    core_link,
-    exports,
-    ffi,
+    compat, core_link, exports, ffi,
     peer_device::PeerDevice,
     registration::{
         registry,

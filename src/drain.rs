@@ -47,7 +47,13 @@ fn holders(regs: &[RegRef]) -> Result<KVec<Held>> {
         let i = match out.iter().position(|h| h.tgid == tgid) {
             Some(i) => i,
             None => {
-                out.push(Held { tgid, ..Held::default() }, GFP_KERNEL)?;
+                out.push(
+                    Held {
+                        tgid,
+                        ..Held::default()
+                    },
+                    GFP_KERNEL,
+                )?;
                 out.len() - 1
             }
         };

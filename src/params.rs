@@ -23,17 +23,19 @@ pub(crate) enum Param {
     AllowUnverifiedPaths,
     PairTableSlots,
     PathAccounting,
+    Bar1LimitPct,
 }
 
 impl Param {
     /// Every parameter with its name, as the stats file lists them.
-    pub(crate) const ALL: [(Param, &'static str); 6] = [
+    pub(crate) const ALL: [(Param, &'static str); 7] = [
         (Param::PersistentApiSupport, "persistent_api_support"),
         (Param::PeerdirectSupport, "peerdirect_support"),
         (Param::PathPolicy, "path_policy"),
         (Param::PathAccounting, "path_accounting"),
         (Param::AllowUnverifiedPaths, "allow_unverified_paths"),
         (Param::PairTableSlots, "pair_table_slots"),
+        (Param::Bar1LimitPct, "bar1_limit_pct"),
     ];
 
     /// The parameter's value as loaded.
@@ -117,6 +119,12 @@ pub(crate) fn unverified_allowed() -> bool {
 /// worse than PIX..SYS.
 pub(crate) fn policy_level() -> i32 {
     PATH_POLICY.load(Relaxed) as i32
+}
+
+/// `bar1_limit_pct` now (root may change it at run time; the shim keeps it
+/// within 0..=100).
+pub(crate) fn bar1_limit_pct() -> u64 {
+    Param::Bar1LimitPct.value().clamp(0, 100) as u64
 }
 
 /// The `path_accounting` parameter: whether registrations are charged per

@@ -812,7 +812,11 @@ mod lifecycle_tests {
             assert_eq!(l.unmap(), map);
             assert_eq!(l.unmap(), None);
             assert_eq!(l.put_pages(), None);
-            let next = if drained { Phase::Drained } else { Phase::Bound };
+            let next = if drained {
+                Phase::Drained
+            } else {
+                Phase::Bound
+            };
             is_at(&l, self.moved(self.mapped, next));
             let mut l = self.at();
             assert_eq!(l.put_pages(), map);

@@ -322,7 +322,7 @@ fn record_gpu((chain, (start, end)): &(ffi::PeermemChain, (u64, u64))) -> Option
 
 /// The GPU whose BAR holds `phys`, recorded if new; `None` when it is no PCI
 /// device's or the table is full.
-fn gpu_of(phys: u64) -> Option<Gpu> {
+pub(crate) fn gpu_of(phys: u64) -> Option<Gpu> {
     accounting::gpu_by_phys(phys).or_else(|| pci_gpu(phys).as_ref().and_then(record_gpu))
 }
 

@@ -26,30 +26,42 @@ use super::{
     ArmedCallback, Inner, Mode, RegRef, Registration, Span, GRANULE,
 };
 use crate::{
+    accounting::{
+        self,
+        Bar1,
+        Bar1Charged, //
+    },
     compat,
     lifecycle::{
         Lifecycle,
         Pin, //
     },
     p2p,
+    p2p::PageTable,
+    params,
     range::GpuRange,
     sg::SgSlot,
     stats::{
         fail,
         reg_dbg,
+        At,
         Cause,
         STATS, //
     },
     topology, waitq,
 };
 
-/// A registration's object, with its lifecycle `lc` and its pin's error.
+/// A registration's state at birth: its lifecycle, its pin's error, and
+/// its pin's BAR1 charge.
+type Born = (Lifecycle<super::Held>, Option<Error>, Option<Bar1>);
+
+/// A registration's object, born `born`.
 fn object(
     mode: Mode,
     start: u64,
     granules: u32,
     live: Liveness,
-    (lc, pin_error): (Lifecycle<super::Held>, Option<Error>),
+    (lc, pin_error, bar1): Born,
 ) -> impl PinInit<Registration> {
     pin_init!(Registration {
         mode,
@@ -62,7 +74,7 @@ fn object(
             mapper: false,
             waiters: 0,
             charge: None,
-            bar1: None,
+            bar1,
         }, "Registration::inner"),
         sg_slot: SgSlot::new(),
         holds_map: Atomic::new(0),
@@ -108,7 +120,7 @@ impl Registration {
             Mode::Invalidating => {
                 // Pinning starts before the object is shared (nobody else can
                 // see it yet, so no lock is needed to move it there).
-                let lc = (Lifecycle::pinning(), None);
+                let lc = (Lifecycle::pinning(), None, None);
                 let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
                 reg.pin_invalidating(&reg)?;
                 reg
@@ -127,22 +139,31 @@ impl Registration {
     }
 
     /// A persistent pin of `range`, as the lifecycle that holds it; or, for
-    /// memory the GPU driver owns but cannot pin, an empty lifecycle and the
-    /// error `get_pages` reports.
-    fn pin_persistent(range: &GpuRange) -> Result<(Lifecycle<super::Held>, Option<Error>)> {
+    /// memory the GPU driver owns but cannot pin (or the BAR1 guard
+    /// refuses), an empty lifecycle and the error `get_pages` reports.
+    fn pin_persistent(range: &GpuRange) -> Result<Born> {
         match p2p::get_pages_persistent(range) {
             Ok(table) => {
+                let bar1 = match bar1_of(&table, range) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        // SAFETY: pinned just above for `range`, unpinned once.
+                        let _ = unsafe { table.put_persistent(range) };
+                        return Ok((Lifecycle::new(), Some(e), None));
+                    }
+                };
                 STATS.pinned_bytes.add(range.len, Relaxed);
                 let pin = Pin {
                     table,
                     token: None,
                     owner: compat::current_tgid(),
                 };
-                Ok((Lifecycle::with_pin(pin), None))
+                Ok((Lifecycle::with_pin(pin), None, bar1))
             }
             Err(e) => Ok((
                 Lifecycle::new(),
                 Some(Self::pin_refused(e, Mode::Persistent, range)?),
+                None,
             )),
         }
     }
@@ -154,9 +175,40 @@ impl Registration {
         if let Err(e) = self.pin(this) {
             let e = Self::pin_refused(e, Mode::Invalidating, &range)?;
             self.enter().pin_error = Some(e);
-        } else if let Some(phys) = self.first_phys() {
+        } else if let Some((phys, coherent)) = self.first_phys() {
+            if !coherent {
+                self.charge_bar1(phys)?;
+            }
             // No core lock is held here but `peer_memory_mutex`.
             topology::learn_gate(range.start, phys);
+        }
+        Ok(())
+    }
+
+    /// Charges the pin at BAR address `phys` to its GPU's BAR1 use; a pin
+    /// the guard refuses is undone at once and `get_pages` reports
+    /// `ENOMEM`.
+    fn charge_bar1(&self, phys: u64) -> Result {
+        let len = self.range().len;
+        match bar1_at(phys, len) {
+            Ok(None) => (),
+            Ok(Some(b)) => {
+                let mut g = self.enter();
+                // Unless the free callback ended the pin meanwhile.
+                if g.lc.pin_owner().is_some() {
+                    g.bar1 = Some(b);
+                } else {
+                    drop(g);
+                    b.release(len);
+                }
+            }
+            Err(e) => {
+                let r = self.enter().lc.release(compat::current_tgid());
+                if let Some(table) = r.unpin {
+                    self.unpin(table);
+                }
+                self.enter().pin_error = Some(e);
+            }
         }
         Ok(())
     }
@@ -217,9 +269,9 @@ impl Registration {
         }
     }
 
-    /// The bus address of the pinned table's first page, if it is pinned and
-    /// of a layout this module knows.
-    fn first_phys(&self) -> Option<u64> {
+    /// The bus address of the pinned table's first page and whether it is
+    /// coherent memory, if it is pinned and of a layout this module knows.
+    fn first_phys(&self) -> Option<(u64, bool)> {
         let range = self.range();
         let g = self.enter();
         let t = g.lc.pinned_table().ok()?;
@@ -227,6 +279,42 @@ impl Registration {
         // lock before it revokes, and the provider frees the table only after
         // the callback returns (fact 2): valid while the lock is held. The
         // view does not outlive the lock's section.
-        unsafe { t.checked_pages(&range) }?.physical_address(0)
+        let view = unsafe { t.checked_pages(&range) }?;
+        Some((view.physical_address(0)?, view.coherent()))
     }
+}
+
+/// The BAR1 charge of a persistent pin `table` of `range` (none for
+/// coherent memory, which is reached without BAR1).
+fn bar1_of(table: &PageTable, range: &GpuRange) -> Result<Option<Bar1>> {
+    // SAFETY: pinned for `range` by this thread and not unpinned yet; no
+    // free callback can end a persistent pin. The view ends here.
+    let Some(view) = (unsafe { table.checked_pages(range) }) else {
+        return Ok(None);
+    };
+    match view.physical_address(0) {
+        Some(phys) if !view.coherent() => bar1_at(phys, range.len),
+        _ => Ok(None),
+    }
+}
+
+/// Charges `len` bytes pinned at BAR address `phys` to its GPU's BAR1 use
+/// (recording the GPU if it is new): `ENOMEM` past `bar1_limit_pct`.
+fn bar1_at(phys: u64, len: u64) -> Result<Option<Bar1>> {
+    let pct = params::bar1_limit_pct();
+    for _ in 0..2 {
+        match accounting::bar1_charge(phys, len, pct) {
+            Bar1Charged::Yes(b) => return Ok(Some(b)),
+            Bar1Charged::Refused(r) => {
+                return Err(fail!(at At { gpu: r.gpu, hca: 0 }; Cause::Bar1, ENOMEM,
+                    "the pin of {len} bytes would take the GPU's BAR1 use to {} of {} bytes, past bar1_limit_pct={pct} ({} bytes); deregister memory or raise bar1_limit_pct",
+                    r.use_after, r.size, r.limit))
+            }
+            // Recorded now (none: no PCI device's BAR, or the table is
+            // full: not counted).
+            Bar1Charged::UnknownGpu if topology::gpu_of(phys).is_some() => (),
+            Bar1Charged::UnknownGpu => return Ok(None),
+        }
+    }
+    Ok(None)
 }

@@ -150,7 +150,6 @@ struct Inner {
     bar1: Option<crate::accounting::Bar1>,
 }
 
-
 /// Inside a registration's lock.
 type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
 

@@ -81,7 +81,11 @@ unsafe extern "C" fn visit(node: *mut bindings::list_head, arg: *mut c_void) {
         found.full = true;
         return;
     }
-    let reg = kernel::container_of!(node.cast::<Opaque<bindings::list_head>>(), Registration, link);
+    let reg = kernel::container_of!(
+        node.cast::<Opaque<bindings::list_head>>(),
+        Registration,
+        link
+    );
     // SAFETY: on the list, so not freed before the lock is released (the
     // free takes the object off the list under the lock first).
     if let Some(r) = unsafe { RegRef::get_unless_zero(&*reg) } {

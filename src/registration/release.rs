@@ -14,7 +14,10 @@ use super::{
     Span, //
 };
 use crate::{
-    accounting::Charge,
+    accounting::{
+        Bar1,
+        Charge, //
+    },
     compat, ffi,
     lifecycle::Unpinned,
     p2p::PageTable,
@@ -49,7 +52,11 @@ impl Registration {
             let r = g.lc.release(ids.map_or(0, |(_, tgid)| tgid));
             // A persistent pin's life ends here, and its count with it
             // (released once the unpin returned).
-            let charge = if r.ended { g.charge.take() } else { None };
+            let charge = if r.ended {
+                (g.charge.take(), g.bar1.take())
+            } else {
+                (None, None)
+            };
             (r, charge, owner)
         };
         drop(r.map);
@@ -68,23 +75,28 @@ impl Registration {
 
     /// Unpins a non-persistent pin at the provider and settles the
     /// callback's reference.
-    fn unpin(&self, table: PageTable) {
+    pub(super) fn unpin(&self, table: PageTable) {
         // SAFETY: pinned by `pin` for `self.range` with a callback (the
         // lifecycle hands a table out without `ended` only for a pin with a
         // callback's token, which only `pin` gives), handed out once, and
         // only to the pinning process.
         let res = unsafe { table.put(&self.range()) };
-        let (how, token, charge) = {
+        let (how, token, (charge, bar1)) = {
             let mut g = self.enter();
             let (how, token) = g.lc.unpinned(res.is_ok());
             // A stranded pin stays counted until its callback.
-            let charge = (how != Unpinned::Stranded)
-                .then(|| g.charge.take())
-                .flatten();
-            (how, token, charge)
+            let charges = if how == Unpinned::Stranded {
+                (None, None)
+            } else {
+                (g.charge.take(), g.bar1.take())
+            };
+            (how, token, charges)
         };
         if let Some(c) = charge {
             c.release(self.range().len);
+        }
+        if let Some(b) = bar1 {
+            b.release(self.range().len);
         }
         match how {
             // Raced: the callback ended the pin first; it had no table to
@@ -136,13 +148,16 @@ impl Registration {
 
     /// Unpins a persistent pin, whose lifecycle already ended, and releases
     /// its count.
-    fn unpin_persistent(&self, table: PageTable, charge: Option<Charge>) {
+    fn unpin_persistent(&self, table: PageTable, (charge, bar1): (Option<Charge>, Option<Bar1>)) {
         // SAFETY: a persistent pin made by `acquire` for `self.range` (the
         // lifecycle ends with `ended` only for a pin without a callback's
         // token, which only `get_pages_persistent` gives), handed out once.
         let res = unsafe { table.put_persistent(&self.range()) };
         if let Some(c) = charge {
             c.release(self.range().len);
+        }
+        if let Some(b) = bar1 {
+            b.release(self.range().len);
         }
         STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         if let Err(e) = res {

@@ -57,7 +57,7 @@ impl Registration {
     /// then undo our own mapping.
     fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
-        let (action, had_pin, charge) = {
+        let (action, had_pin, (charge, bar1)) = {
             let mut g = self.enter();
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
@@ -73,13 +73,21 @@ impl Registration {
                 self.wait(&mut g);
             }
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
-            (action, ended, if ended { g.charge.take() } else { None })
+            let charges = if ended {
+                (g.charge.take(), g.bar1.take())
+            } else {
+                (None, None)
+            };
+            (action, ended, charges)
         };
         if had_pin {
             STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         }
         if let Some(c) = charge {
             c.release(self.range().len);
+        }
+        if let Some(b) = bar1 {
+            b.release(self.range().len);
         }
         self.revoked(action);
     }

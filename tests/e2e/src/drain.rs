@@ -70,7 +70,10 @@ fn live_mr(ctx: &mut Ctx, a: &Alloc, flags: u64) -> Result<u64, String> {
     ctx.core
         .dma_write(h, 4096, &pattern(seed, 0, 256))
         .map_err(errno_name)?;
-    ensure!(a.read(4096, 256) == pattern(seed, 0, 256), "bytes not DMA'd");
+    ensure!(
+        a.read(4096, 256) == pattern(seed, 0, 256),
+        "bytes not DMA'd"
+    );
     Ok(h)
 }
 
@@ -91,39 +94,83 @@ fn drain_with_mrs(ctx: &mut Ctx) -> Result<Vec<String>, String> {
     let mut lines = vec![logged(&mark, "drain: new registrations are refused")?];
     let qi = ctx.core.query(hi).map_err(errno_name)?;
     if ctx.mode.invalidating() {
-        let want = if ctx.mode.legacy() { PMC_STATE_UNMAPPED } else { PMC_STATE_INVALIDATED };
-        ensure!(qi.state == want && qi.revoked == 1, "invalidating MR after the drain: state {}", qi.state);
-        expect_err(ctx.core.dma_read(hi, 4096, 64), libc::EACCES, "DMA through the drained MR")?;
-        ensure!(stat("drain_revoked") == revoked0 + 1, "drain_revoked {}", stat("drain_revoked") - revoked0);
+        let want = if ctx.mode.legacy() {
+            PMC_STATE_UNMAPPED
+        } else {
+            PMC_STATE_INVALIDATED
+        };
+        ensure!(
+            qi.state == want && qi.revoked == 1,
+            "invalidating MR after the drain: state {}",
+            qi.state
+        );
+        expect_err(
+            ctx.core.dma_read(hi, 4096, 64),
+            libc::EACCES,
+            "DMA through the drained MR",
+        )?;
+        ensure!(
+            stat("drain_revoked") == revoked0 + 1,
+            "drain_revoked {}",
+            stat("drain_revoked") - revoked0
+        );
         // OFED 4.x releases the registration from inside its invalidate:
         // its pin ends there; the others keep it until the deregistration.
         if ctx.mode != crate::Mode::Ofed4 {
             lines.push(logged(&mark, "pins of GPU memory")?);
         }
     } else {
-        ensure!(qi.state == PMC_STATE_MAPPED, "persistent MR changed by the drain: {}", qi.state);
-        ensure!(stat("drain_revoked") == revoked0, "a persistent MR was revoked");
+        ensure!(
+            qi.state == PMC_STATE_MAPPED,
+            "persistent MR changed by the drain: {}",
+            qi.state
+        );
+        ensure!(
+            stat("drain_revoked") == revoked0,
+            "a persistent MR was revoked"
+        );
     }
     // The persistent registration (nv_mem_nc, or nv_mem persistent) works
     // on, and its holder is named.
-    ctx.core.dma_read(hp, 4096, 64).map_err(|e| format!("persistent MR after the drain: {}", errno_name(e)))?;
+    ctx.core
+        .dma_read(hp, 4096, 64)
+        .map_err(|e| format!("persistent MR after the drain: {}", errno_name(e)))?;
     let me = format!("process {} (", std::process::id());
     let named = logged(&mark, "persistent registrations")?;
     ensure!(named.contains(&me), "holder not named: {named}");
     lines.push(named);
-    ensure!(read(WAITING) == "drain-holders", "waiting_for {}", read(WAITING));
+    ensure!(
+        read(WAITING) == "drain-holders",
+        "waiting_for {}",
+        read(WAITING)
+    );
     let c = ctx.gpu().alloc(0, M2).map_err(errno_name)?;
-    ensure!(ctx.core.reg(c.va, M2, PMC_REG_INVAL_SUPP).is_err(), "registered while draining");
+    ensure!(
+        ctx.core.reg(c.va, M2, PMC_REG_INVAL_SUPP).is_err(),
+        "registered while draining"
+    );
     ensure!(stat("fail_draining") > refused0, "refusal not counted");
-    lines.push(logged(&mark, "nvidia_peermem is draining: registration of")?);
+    lines.push(logged(
+        &mark,
+        "nvidia_peermem is draining: registration of",
+    )?);
     // Still held: the core cannot go.
-    ensure!(!module::rmmod("peer_mem_core")?, "the core unloaded under live MRs");
+    ensure!(
+        !module::rmmod("peer_mem_core")?,
+        "the core unloaded under live MRs"
+    );
     ctx.core.dereg(hi).map_err(errno_name)?;
-    ensure!(read(WAITING) == "drain-holders", "completed with a persistent MR held");
+    ensure!(
+        read(WAITING) == "drain-holders",
+        "completed with a persistent MR held"
+    );
     ctx.core.dereg(hp).map_err(errno_name)?;
     wait_for("drained")?;
     lines.push(logged(&mark, "drained: the clients are unregistered")?);
-    ensure!(module::peer_stat("nv_mem", "version").is_none(), "nv_mem still registered when drained");
+    ensure!(
+        module::peer_stat("nv_mem", "version").is_none(),
+        "nv_mem still registered when drained"
+    );
     Ok(lines)
 }
 
@@ -137,7 +184,10 @@ fn traffic(ctx: &mut Ctx) -> Result<String, String> {
     let gpus = ctx.gpu().info().gpus;
     for gpu in std::iter::once(0).chain(0..gpus) {
         let a = ctx.gpu().alloc(gpu, 1 << 16).map_err(errno_name)?;
-        let h = ctx.core.reg(a.va, 1 << 16, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+        let h = ctx
+            .core
+            .reg(a.va, 1 << 16, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
         ctx.core.dereg(h).map_err(errno_name)?;
     }
     for gpu in 0..gpus {
@@ -169,18 +219,35 @@ fn core_restart(ctx: &mut Ctx) -> Result<String, String> {
     let before = traffic(ctx)?;
     let mut lines = drain_with_mrs(ctx)?;
     ctx.core = Core::placeholder()?;
-    ensure!(module::rmmod("peer_mem_core")?, "rmmod peer_mem_core refused after the drain");
+    ensure!(
+        module::rmmod("peer_mem_core")?,
+        "rmmod peer_mem_core refused after the drain"
+    );
     ensure!(module::loaded("nvidia_peermem"), "nvidia_peermem gone");
     let mark = LogMark::new();
     let variant = format!("variant={}", ctx.mode.core_variant());
     let core_ko = std::path::Path::new(&ctx.opts.emu).with_file_name("peer_mem_core.ko");
     module::insmod(&core_ko.to_string_lossy(), &[&variant])?;
     ctx.core = Core::open()?;
-    ensure!(read(WAITING) == "nothing", "after the core came back: waiting_for {}", read(WAITING));
-    ensure!(read(DRAIN) == "0", "drain reads {} after the core came back", read(DRAIN));
-    lines.push(logged(&mark, "drain ended (a module it binds to came back)")?);
+    ensure!(
+        read(WAITING) == "nothing",
+        "after the core came back: waiting_for {}",
+        read(WAITING)
+    );
+    ensure!(
+        read(DRAIN) == "0",
+        "drain reads {} after the core came back",
+        read(DRAIN)
+    );
+    lines.push(logged(
+        &mark,
+        "drain ended (a module it binds to came back)",
+    )?);
     let after = traffic(ctx)?;
-    Ok(format!("before {before}; \"{}\"; after {after}", lines.join("\" \"")))
+    Ok(format!(
+        "before {before}; \"{}\"; after {after}",
+        lines.join("\" \"")
+    ))
 }
 
 /// The same for the GPU driver: unloaded and loaded again under a drained
@@ -194,15 +261,28 @@ fn gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
     let mut lines = drain_with_mrs(ctx)?;
     let style = read("/sys/kernel/debug/nv_p2p_emu/dma_map_style");
     ctx.gpu = None;
-    ensure!(module::rmmod("nv_p2p_emu")?, "rmmod nv_p2p_emu refused after the drain");
+    ensure!(
+        module::rmmod("nv_p2p_emu")?,
+        "rmmod nv_p2p_emu refused after the drain"
+    );
     let mark = LogMark::new();
     module::insmod(&ctx.opts.emu, &[])?;
     module::debugfs_write("/sys/kernel/debug/nv_p2p_emu/dma_map_style", &style)?;
     ctx.gpu = Some(Gpu::open()?);
-    ensure!(read(WAITING) == "nothing", "after the GPU driver came back: waiting_for {}", read(WAITING));
-    lines.push(logged(&mark, "drain ended (a module it binds to came back)")?);
+    ensure!(
+        read(WAITING) == "nothing",
+        "after the GPU driver came back: waiting_for {}",
+        read(WAITING)
+    );
+    lines.push(logged(
+        &mark,
+        "drain ended (a module it binds to came back)",
+    )?);
     let after = traffic(ctx)?;
-    Ok(format!("before {before}; \"{}\"; after {after}", lines.join("\" \"")))
+    Ok(format!(
+        "before {before}; \"{}\"; after {after}",
+        lines.join("\" \"")
+    ))
 }
 
 /// Writing 0 ends a drain: during it (a persistent MR held) the module takes
@@ -216,11 +296,22 @@ fn resume(ctx: &mut Ctx) -> Result<String, String> {
     let b = ctx.gpu().alloc(0, M2).map_err(errno_name)?;
     let hp = live_mr(ctx, &b, 0)?;
     drain(true)?;
-    ensure!(read(WAITING) == "drain-holders", "waiting_for {}", read(WAITING));
+    ensure!(
+        read(WAITING) == "drain-holders",
+        "waiting_for {}",
+        read(WAITING)
+    );
     let mark = LogMark::new();
     drain(false)?;
-    let mid = logged(&mark, "drain ended (drain set to 0): registrations are accepted again")?;
-    ensure!(read(WAITING) == "nothing", "after 0: waiting_for {}", read(WAITING));
+    let mid = logged(
+        &mark,
+        "drain ended (drain set to 0): registrations are accepted again",
+    )?;
+    ensure!(
+        read(WAITING) == "nothing",
+        "after 0: waiting_for {}",
+        read(WAITING)
+    );
     let moved = traffic(ctx)?;
     ctx.core.dereg(hp).map_err(errno_name)?;
     drain(true)?;
@@ -228,7 +319,11 @@ fn resume(ctx: &mut Ctx) -> Result<String, String> {
     let mark = LogMark::new();
     drain(false)?;
     let again = logged(&mark, "drain ended (drain set to 0): nv_mem")?;
-    ensure!(read(WAITING) == "nothing", "after 0: waiting_for {}", read(WAITING));
+    ensure!(
+        read(WAITING) == "nothing",
+        "after 0: waiting_for {}",
+        read(WAITING)
+    );
     let after = traffic(ctx)?;
     Ok(format!("\"{mid}\" {moved}; \"{again}\" {after}"))
 }
@@ -241,11 +336,17 @@ pub(crate) fn self_upgrade(ctx: &mut Ctx) -> Result<String, String> {
 
 fn upgrade(ctx: &mut Ctx) -> Result<String, String> {
     let lines = drain_with_mrs(ctx)?;
-    ensure!(module::rmmod("nvidia_peermem")?, "rmmod nvidia_peermem refused after the drain");
+    ensure!(
+        module::rmmod("nvidia_peermem")?,
+        "rmmod nvidia_peermem refused after the drain"
+    );
     let mark = LogMark::new();
     module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
     let loaded = logged(&mark, " loaded: nv_mem")?;
     ctx.settle()?;
     let after = traffic(ctx)?;
-    Ok(format!("\"{}\" \"{loaded}\" after {after}", lines.join("\" \"")))
+    Ok(format!(
+        "\"{}\" \"{loaded}\" after {after}",
+        lines.join("\" \"")
+    ))
 }

@@ -8,6 +8,7 @@
 //! Output: `E2E ok <mode>/<scenario> ...` or `E2E FAIL <mode>/<scenario>: why`,
 //! then `E2E-SUMMARY: N passed, M failed`.
 
+mod bar1;
 mod bench;
 mod demo;
 mod dev;
@@ -468,7 +469,9 @@ fn main() {
             let r = ctx
                 .unload()
                 .and_then(|()| ctx.load_unsettled())
-                .and_then(|()| stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed, !ctx.opts.reference))
+                .and_then(|()| {
+                    stress::run(mode, ctx.opts.stress_ops, 4, ctx.seed, !ctx.opts.reference)
+                })
                 .and_then(|d| scenarios::quiescent(&ctx).map(|_| d));
             match r {
                 Ok(d) => {

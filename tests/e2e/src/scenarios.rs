@@ -190,6 +190,11 @@ pub const ALL: &[Scenario] = &[
         run: crate::late::late_binding_core_check,
     },
     Scenario {
+        name: "bar1_guard",
+        applies: ours,
+        run: crate::bar1::bar1_guard,
+    },
+    Scenario {
         name: "drain_core_restart",
         applies: ours,
         run: crate::drain::drain_core_restart,

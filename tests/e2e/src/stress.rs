@@ -291,7 +291,9 @@ pub fn run(mode: Mode, ops: u64, threads: usize, seed: u64, drain: bool) -> Resu
             })
             .collect();
         stop.store(true, SeqCst);
-        let drained = d.map_or(Ok(()), |d| d.join().unwrap_or_else(|_| Err("drainer panicked".into())));
+        let drained = d.map_or(Ok(()), |d| {
+            d.join().unwrap_or_else(|_| Err("drainer panicked".into()))
+        });
         (results, drained)
     });
     drained?;
