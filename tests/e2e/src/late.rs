@@ -275,3 +275,93 @@ fn core_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     let moved = traffic(ctx)?;
     Ok(format!("\"{late}\" \"{at_load}\" \"{registered}\" {moved}"))
 }
+
+/// Where the boots that carry it put the operator tool.
+pub(crate) const STAT: &str = "/bin/peermem-stat";
+
+/// `peermem-stat doctor --json`: its findings as "id: problem" lines.
+fn doctor() -> Result<Vec<String>, String> {
+    let out = std::process::Command::new(STAT)
+        .args(["doctor", "--json"])
+        .output()
+        .map_err(|e| format!("{STAT}: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("doctor --json ({}): {e}", out.status))?;
+    let found = v["findings"].as_array().cloned().unwrap_or_default();
+    Ok(found
+        .iter()
+        .map(|f| format!("{}: {}", f["id"].as_str().unwrap_or("?"), f["problem"]))
+        .collect())
+}
+
+/// `doctor` names `want` (a finding id, and words of its problem) and no
+/// finding about the core.
+fn doctor_says(when: &str, id: &str, words: &str) -> Result<String, String> {
+    let found = doctor()?;
+    ensure!(
+        found.len() == 1 && found[0].starts_with(&format!("{id}: ")) && found[0].contains(words),
+        "{when}: doctor found {found:?}, expected {id} with \"{words}\""
+    );
+    ensure!(
+        !found[0].contains("core is not loaded") && !found[0].contains("core not loaded"),
+        "{when}: doctor blames the core: {}",
+        found[0]
+    );
+    Ok(found[0].split(": ").next().unwrap_or("").to_string())
+}
+
+/// The new user's sequence of issue 41: the module loaded before the core
+/// (it waits for it), the core loaded, the module and the GPU driver
+/// unloaded, the module loaded again: `peermem-stat doctor` names the GPU
+/// driver (not loaded, then waited for), never the core.
+pub(crate) fn late_binding_doctor(ctx: &mut Ctx) -> Result<String, String> {
+    unloaded(ctx, doctor_run)
+}
+
+fn doctor_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
+    load_gpu_driver(ctx, &[], style)?;
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    let mut seen = vec![doctor_says(
+        "before the core",
+        "waiting-for-core",
+        "waits for the peer-memory core",
+    )?];
+    load_core(ctx)?;
+    ensure!(
+        waiting() == "nothing",
+        "after the core: waiting_for {}",
+        waiting()
+    );
+    ensure!(
+        doctor()?.is_empty(),
+        "registered: doctor found {:?}",
+        doctor()?
+    );
+    for m in ["nvidia_peermem", "nv_p2p_emu"] {
+        ensure!(module::rmmod(m)?, "rmmod {m} refused");
+    }
+    seen.push(doctor_says(
+        "unloaded",
+        "not-loaded",
+        "now the peer-memory core loaded (module peer_mem_core), the GPU driver not loaded",
+    )?);
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    ensure!(
+        waiting() == "gpu-driver",
+        "again: waiting_for {}",
+        waiting()
+    );
+    seen.push(doctor_says(
+        "again",
+        "waiting-for-gpu-driver",
+        "waits for the GPU driver",
+    )?);
+    load_gpu_driver(ctx, &[], style)?;
+    ensure!(
+        doctor()?.is_empty(),
+        "registered again: doctor found {:?}",
+        doctor()?
+    );
+    let moved = traffic(ctx)?;
+    Ok(format!("doctor: {} then ok; {moved}", seen.join(", ")))
+}

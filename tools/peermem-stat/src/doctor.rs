@@ -187,7 +187,9 @@ impl Report {
         self.signature(sys, a);
         if self.findings.is_empty() {
             let latest = match (a.loaded(), stale.is_empty()) {
-                (Some(l), _) => format!("; it loaded last (\"{}\") and was unloaded since", l.text),
+                (Some(l), _) => {
+                    format!("; it loaded last ({}) and was unloaded since", loaded_as(l))
+                }
                 (None, false) => {
                     format!("; its latest load attempt failed {}", stale.join(" and "))
                 }
@@ -512,6 +514,17 @@ fn unknown_groups<'a>(a: &Attempt<'a>) -> [Vec<&'a str>; 3] {
         .partition(|s| s.starts_with("ib_") && s.contains("peer_memory"));
     let (p2p, other) = other.iter().partition(|s| s.starts_with("nvidia_p2p_"));
     [peer_api, p2p, other]
+}
+
+/// "version V, at T s" of a load line.
+fn loaded_as(l: &attempts::Line) -> String {
+    let v = l
+        .text
+        .split_once("nvidia_peermem: ")
+        .map_or(l.text, |(_, m)| m);
+    let v = v.split_once(" loaded").map_or(v, |(v, _)| v);
+    l.secs
+        .map_or(v.to_string(), |t| format!("{v}, at {t:.1} s"))
 }
 
 /// Log lines, quoted: "\"a\", \"b\"".

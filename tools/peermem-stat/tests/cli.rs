@@ -1966,8 +1966,11 @@ fn doctor_new_user_sequence_late_binding() {
     assert_eq!(lines.len(), 1);
     assert!(
         lines[0].starts_with("not-loaded: nvidia_peermem is not loaded")
-            && lines[0].contains("; it loaded last (\"nvidia_peermem: version 0.1.0 loaded, waiting for the GPU driver")
-            && lines[0].contains("now the peer-memory core loaded (module ib_uverbs), the GPU driver not loaded."),
+            && lines[0]
+                .contains("; it loaded last (version 0.1.0, at 60.0 s) and was unloaded since;")
+            && lines[0].contains(
+                "now the peer-memory core loaded (module ib_uverbs), the GPU driver not loaded."
+            ),
         "{}",
         lines[0]
     );
