@@ -307,7 +307,7 @@ fn doctor_says(when: &str, id: &str, words: &str) -> Result<String, String> {
         "{when}: doctor blames the core: {}",
         found[0]
     );
-    Ok(found[0].split(": ").next().unwrap_or("").to_string())
+    Ok(found[0].clone())
 }
 
 /// The new user's sequence of issue 41: the module loaded before the core
@@ -363,5 +363,5 @@ fn doctor_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
         doctor()?
     );
     let moved = traffic(ctx)?;
-    Ok(format!("doctor: {} then ok; {moved}", seen.join(", ")))
+    Ok(format!("doctor: {} | then ok; {moved}", seen.join(" | ")))
 }

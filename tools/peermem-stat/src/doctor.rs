@@ -108,15 +108,29 @@ impl Live {
     /// From /proc/kallsyms; without it, the core by its sysfs directory and
     /// the GPU driver by its module's.
     pub fn read(sys: &Sys) -> Self {
-        let syms = Sys::read(&sys.path(KALLSYMS)).unwrap_or_default();
-        let exporter = |name: &str| {
-            let at = syms.find(&format!(" {name}\t["))? + name.len() + 3;
-            Some(syms[at..].split(']').next()?.to_string())
-        };
+        let (mut core, mut gpu) = (None, None);
+        // Tens of MB on a distribution kernel, modules last: streamed.
+        let syms = fs::File::open(sys.path(KALLSYMS)).map(io::BufReader::new);
+        for line in syms.into_iter().flat_map(io::BufRead::lines) {
+            let Ok(line) = line else { break };
+            let mut f = line.split_whitespace();
+            let (name, module) = (f.nth(2), f.next().and_then(|m| m.strip_prefix('[')));
+            // No module: built into the kernel.
+            let module = Some(
+                module
+                    .map_or("vmlinux", |m| m.trim_end_matches(']'))
+                    .to_string(),
+            );
+            match name {
+                Some("ib_register_peer_memory_client") => core = module,
+                Some("nvidia_p2p_get_pages") => gpu = module,
+                _ => continue,
+            }
+        }
         let dir = |abs: &str, what: &str| sys.exists(abs).then(|| what.to_string());
         Live {
-            core: exporter("ib_register_peer_memory_client").or_else(|| dir(PEERS_DIR, "ib_core")),
-            gpu: exporter("nvidia_p2p_get_pages").or_else(|| dir(NVIDIA, "nvidia")),
+            core: core.or_else(|| dir(PEERS_DIR, "ib_core")),
+            gpu: gpu.or_else(|| dir(NVIDIA, "nvidia")),
         }
     }
 
