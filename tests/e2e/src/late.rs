@@ -318,50 +318,36 @@ pub(crate) fn late_binding_doctor(ctx: &mut Ctx) -> Result<String, String> {
     unloaded(ctx, doctor_run)
 }
 
+/// `waiting_for` says `want`, and doctor finds nothing when it is `nothing`.
+fn waits(when: &str, want: &str) -> Result<(), String> {
+    ensure!(waiting() == want, "{when}: waiting_for {}", waiting());
+    let found = if want == "nothing" {
+        doctor()?
+    } else {
+        Vec::new()
+    };
+    ensure!(found.is_empty(), "{when}: doctor found {found:?}");
+    Ok(())
+}
+
 fn doctor_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     load_gpu_driver(ctx, &[], style)?;
     module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
-    let mut seen = vec![doctor_says(
-        "before the core",
-        "waiting-for-core",
-        "waits for the peer-memory core",
-    )?];
+    let core = "waits for the peer-memory core";
+    let mut seen = vec![doctor_says("before the core", "waiting-for-core", core)?];
     load_core(ctx)?;
-    ensure!(
-        waiting() == "nothing",
-        "after the core: waiting_for {}",
-        waiting()
-    );
-    ensure!(
-        doctor()?.is_empty(),
-        "registered: doctor found {:?}",
-        doctor()?
-    );
+    waits("after the core", "nothing")?;
     for m in ["nvidia_peermem", "nv_p2p_emu"] {
         ensure!(module::rmmod(m)?, "rmmod {m} refused");
     }
-    seen.push(doctor_says(
-        "unloaded",
-        "not-loaded",
-        "now the peer-memory core loaded (module peer_mem_core), the GPU driver not loaded",
-    )?);
+    let now = "now the peer-memory core loaded (module peer_mem_core), the GPU driver not loaded";
+    seen.push(doctor_says("unloaded", "not-loaded", now)?);
     module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
-    ensure!(
-        waiting() == "gpu-driver",
-        "again: waiting_for {}",
-        waiting()
-    );
-    seen.push(doctor_says(
-        "again",
-        "waiting-for-gpu-driver",
-        "waits for the GPU driver",
-    )?);
+    waits("again", "gpu-driver")?;
+    let gpu = "waits for the GPU driver";
+    seen.push(doctor_says("again", "waiting-for-gpu-driver", gpu)?);
     load_gpu_driver(ctx, &[], style)?;
-    ensure!(
-        doctor()?.is_empty(),
-        "registered again: doctor found {:?}",
-        doctor()?
-    );
+    waits("the GPU driver again", "nothing")?;
     let moved = traffic(ctx)?;
     Ok(format!("doctor: {} | then ok; {moved}", seen.join(" | ")))
 }
