@@ -275,3 +275,79 @@ fn core_check_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
     let moved = traffic(ctx)?;
     Ok(format!("\"{late}\" \"{at_load}\" \"{registered}\" {moved}"))
 }
+
+/// Where the boots that carry it put the operator tool.
+pub(crate) const STAT: &str = "/bin/peermem-stat";
+
+/// `peermem-stat doctor --json`: its findings as "id: problem" lines.
+fn doctor() -> Result<Vec<String>, String> {
+    let out = std::process::Command::new(STAT)
+        .args(["doctor", "--json"])
+        .output()
+        .map_err(|e| format!("{STAT}: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("doctor --json ({}): {e}", out.status))?;
+    let found = v["findings"].as_array().cloned().unwrap_or_default();
+    Ok(found
+        .iter()
+        .map(|f| format!("{}: {}", f["id"].as_str().unwrap_or("?"), f["problem"]))
+        .collect())
+}
+
+/// `doctor` names `want` (a finding id, and words of its problem) and no
+/// finding about the core.
+fn doctor_says(when: &str, id: &str, words: &str) -> Result<String, String> {
+    let found = doctor()?;
+    ensure!(
+        found.len() == 1 && found[0].starts_with(&format!("{id}: ")) && found[0].contains(words),
+        "{when}: doctor found {found:?}, expected {id} with \"{words}\""
+    );
+    ensure!(
+        !found[0].contains("core is not loaded") && !found[0].contains("core not loaded"),
+        "{when}: doctor blames the core: {}",
+        found[0]
+    );
+    Ok(found[0].clone())
+}
+
+/// The new user's sequence of issue 41: the module loaded before the core
+/// (it waits for it), the core loaded, the module and the GPU driver
+/// unloaded, the module loaded again: `peermem-stat doctor` names the GPU
+/// driver (not loaded, then waited for), never the core.
+pub(crate) fn late_binding_doctor(ctx: &mut Ctx) -> Result<String, String> {
+    unloaded(ctx, doctor_run)
+}
+
+/// `waiting_for` says `want`, and doctor finds nothing when it is `nothing`.
+fn waits(when: &str, want: &str) -> Result<(), String> {
+    ensure!(waiting() == want, "{when}: waiting_for {}", waiting());
+    let found = if want == "nothing" {
+        doctor()?
+    } else {
+        Vec::new()
+    };
+    ensure!(found.is_empty(), "{when}: doctor found {found:?}");
+    Ok(())
+}
+
+fn doctor_run(ctx: &mut Ctx, style: &str) -> Result<String, String> {
+    load_gpu_driver(ctx, &[], style)?;
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    let core = "waits for the peer-memory core";
+    let mut seen = vec![doctor_says("before the core", "waiting-for-core", core)?];
+    load_core(ctx)?;
+    waits("after the core", "nothing")?;
+    for m in ["nvidia_peermem", "nv_p2p_emu"] {
+        ensure!(module::rmmod(m)?, "rmmod {m} refused");
+    }
+    let now = "now the peer-memory core loaded (module peer_mem_core), the GPU driver not loaded";
+    seen.push(doctor_says("unloaded", "not-loaded", now)?);
+    module::insmod(&ctx.opts.peermem, &ctx.mode.params())?;
+    waits("again", "gpu-driver")?;
+    let gpu = "waits for the GPU driver";
+    seen.push(doctor_says("again", "waiting-for-gpu-driver", gpu)?);
+    load_gpu_driver(ctx, &[], style)?;
+    waits("the GPU driver again", "nothing")?;
+    let moved = traffic(ctx)?;
+    Ok(format!("doctor: {} | then ok; {moved}", seen.join(" | ")))
+}

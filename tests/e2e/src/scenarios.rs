@@ -44,6 +44,10 @@ fn failslab(c: &Ctx) -> bool {
 fn ours_invalidating(c: &Ctx) -> bool {
     ours(c) && c.mode == Mode::Invalidating
 }
+/// Ours, in a boot that carries peermem-stat.
+fn with_stat(c: &Ctx) -> bool {
+    ours(c) && std::path::Path::new(crate::late::STAT).exists()
+}
 fn ours_invalidating_any(c: &Ctx) -> bool {
     ours(c) && c.mode.invalidating()
 }
@@ -183,6 +187,11 @@ pub const ALL: &[Scenario] = &[
         name: "late_binding_driver_check",
         applies: ours,
         run: crate::late::late_binding_driver_check,
+    },
+    Scenario {
+        name: "late_binding_doctor",
+        applies: with_stat,
+        run: crate::late::late_binding_doctor,
     },
     Scenario {
         name: "late_binding_core_check",

@@ -2,8 +2,10 @@
 
 //! `peermem-stat doctor`: the known failure modes (the README's
 //! "Troubleshooting by symptom") found on this node, one line each with what
-//! to do. Load failures are read from the kernel log, only while the module
-//! is not loaded (a loaded module makes earlier failures stale).
+//! to do. Judged on the live state (is the module loaded, what it waits for,
+//! which modules export the core's and the GPU driver's entry points) and,
+//! while the module is not loaded, the latest load attempt in the kernel log
+//! (`attempts`): an earlier failure is history, not a finding.
 
 use std::{
     fs,
@@ -15,6 +17,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
+    attempts::{self, Attempt, Kind},
     diag,
     snapshot::Snapshot,
     sysfs::{Sys, MODULE_DIR, PEERS_DIR},
@@ -54,6 +57,21 @@ macro_rules! enroll {
     };
 }
 
+/// Which modules export which symbols: lines "ADDR T NAME\t[MODULE]".
+const KALLSYMS: &str = "/proc/kallsyms";
+/// The GPU driver's module.
+const NVIDIA: &str = "/sys/module/nvidia";
+/// Why an unknown symbol of the core's or the GPU driver's, and the fix.
+const NO_CORE: &str =
+    "the loaded ib_core has no peer-memory API (upstream or Debian kernel, or OFED not loaded)";
+const FIX_CORE: &str = "install MLNX_OFED or DOCA-OFED, or use an Ubuntu kernel, or use dma-buf \
+     (ibv_reg_dmabuf_mr) instead";
+const NO_GPU: &str = "nvidia.ko is not loaded or not installed";
+const FIX_GPU: &str =
+    "modprobe nvidia (the softdep does this when the driver is installed), then modprobe nvidia_peermem";
+/// Earlier load attempts mentioned as history, at most.
+const HISTORY: usize = 3;
+
 /// The kernel log is read up to this size.
 const MAX_LOG: usize = 16 << 20;
 
@@ -73,6 +91,61 @@ pub struct Report {
     pub findings: Vec<Finding>,
     /// Checks that could not be made, with why.
     pub not_checked: Vec<String>,
+    /// Earlier load attempts in the kernel log, no longer current.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<String>,
+}
+
+/// The modules that export the peer-memory core's and the GPU driver's
+/// entry points now (None: not loaded).
+#[derive(Debug)]
+pub struct Live {
+    pub core: Option<String>,
+    pub gpu: Option<String>,
+}
+
+impl Live {
+    /// From /proc/kallsyms; without it, the core by its sysfs directory and
+    /// the GPU driver by its module's.
+    pub fn read(sys: &Sys) -> Self {
+        let (mut core, mut gpu) = (None, None);
+        // Tens of MB on a distribution kernel, modules last: streamed.
+        let syms = fs::File::open(sys.path(KALLSYMS)).map(io::BufReader::new);
+        for line in syms.into_iter().flat_map(io::BufRead::lines) {
+            let Ok(line) = line else { break };
+            let mut f = line.split_whitespace();
+            let (name, module) = (f.nth(2), f.next().and_then(|m| m.strip_prefix('[')));
+            // No module: built into the kernel.
+            let module = Some(
+                module
+                    .map_or("vmlinux", |m| m.trim_end_matches(']'))
+                    .to_string(),
+            );
+            match name {
+                Some("ib_register_peer_memory_client") => core = module,
+                Some("nvidia_p2p_get_pages") => gpu = module,
+                _ => continue,
+            }
+        }
+        let dir = |abs: &str, what: &str| sys.exists(abs).then(|| what.to_string());
+        Live {
+            core: core.or_else(|| dir(PEERS_DIR, "ib_core")),
+            gpu: gpu.or_else(|| dir(NVIDIA, "nvidia")),
+        }
+    }
+
+    /// "the peer-memory core loaded (module M), the GPU driver not loaded".
+    fn describe(&self) -> String {
+        let one = |m: &Option<String>| match m {
+            Some(m) => format!("loaded (module {m})"),
+            None => "not loaded".to_string(),
+        };
+        format!(
+            "the peer-memory core {}, the GPU driver {}",
+            one(&self.core),
+            one(&self.gpu)
+        )
+    }
 }
 
 impl Report {
@@ -83,9 +156,10 @@ impl Report {
             ok: true,
             findings: Vec::new(),
             not_checked: Vec::new(),
+            history: Vec::new(),
         };
         if s.module.loaded {
-            r.loaded(sys, &s);
+            r.loaded(sys, &s, log);
         } else {
             let text = read_log(sys, log);
             if let Err(why) = &text {
@@ -96,7 +170,18 @@ impl Report {
                 };
                 r.not_checked.push(format!("kernel log: {why}{hint}"));
             }
-            r.not_loaded(sys, text.as_deref().unwrap_or(""));
+            let all = attempts::attempts(text.as_deref().unwrap_or(""));
+            let earlier = all.len().saturating_sub(1);
+            r.history = all[earlier.saturating_sub(HISTORY)..earlier]
+                .iter()
+                .map(|a| {
+                    format!(
+                        "an earlier load attempt, no longer current: {}",
+                        a.summary()
+                    )
+                })
+                .collect();
+            r.not_loaded(sys, all.last().unwrap_or(&Attempt::default()));
         }
         r.ok = r.findings.is_empty();
         r
@@ -106,25 +191,42 @@ impl Report {
         self.findings.push(Finding { id, problem, fix });
     }
 
-    fn not_loaded(&mut self, sys: &Sys, log: &str) {
-        let (unknown, disagrees) = load_failures(log);
-        let (peer_api, other): (Vec<&str>, Vec<&str>) = unknown
-            .iter()
-            .partition(|s| s.starts_with("ib_") && s.contains("peer_memory"));
-        let (p2p, other): (Vec<&str>, Vec<&str>) =
-            other.iter().partition(|s| s.starts_with("nvidia_p2p_"));
-        let core = sys.exists(PEERS_DIR);
-        if !peer_api.is_empty() && !core {
+    /// The module is not loaded: its latest load attempt `a`, judged on
+    /// what is loaded now.
+    fn not_loaded(&mut self, sys: &Sys, a: &Attempt) {
+        let live = Live::read(sys);
+        let stale = self.unknown_symbols(a, &live);
+        self.build(a);
+        self.parameters(a);
+        self.signature(sys, a);
+        if self.findings.is_empty() {
+            let latest = match (a.loaded(), stale.is_empty()) {
+                (Some(l), _) => {
+                    format!("; it loaded last ({}) and was unloaded since", loaded_as(l))
+                }
+                (None, false) => {
+                    format!("; its latest load attempt failed {}", stale.join(" and "))
+                }
+                (None, true) => String::new(),
+            };
             self.add(
-                "peer-memory-core-absent",
+                "not-loaded",
                 format!(
-                    "nvidia_peermem failed to load (Unknown symbol {}) and there is no {PEERS_DIR}: \
-                     the loaded ib_core has no peer-memory API (upstream or Debian kernel, or OFED not loaded)",
-                    peer_api.join(", ")
+                    "nvidia_peermem is not loaded (no {MODULE_DIR}){latest}; now {}",
+                    live.describe()
                 ),
-                "install MLNX_OFED or DOCA-OFED, or use an Ubuntu kernel, or use dma-buf (ibv_reg_dmabuf_mr) instead",
+                "modprobe nvidia_peermem; if that fails, run peermem-stat doctor again to read why",
             );
         }
+    }
+
+    /// A latest attempt refused for how the module was built: symbol
+    /// versions, or symbols no module has.
+    fn build(&mut self, a: &Attempt) {
+        let disagrees = symbols(a, |k| match k {
+            Kind::Disagrees(s) => Some(s),
+            _ => None,
+        });
         if !disagrees.is_empty() {
             self.add(
                 "symbol-version-mismatch",
@@ -137,16 +239,7 @@ impl Report {
                  /usr/src/ofa_kernel/<arch>/<release>/Module.symvers is the installed OFED's",
             );
         }
-        if !p2p.is_empty() {
-            self.add(
-                "gpu-driver-absent",
-                format!(
-                    "nvidia_peermem failed to load (Unknown symbol {}): nvidia.ko is not loaded or not installed",
-                    p2p.join(", ")
-                ),
-                "modprobe nvidia (the softdep does this when the driver is installed), then modprobe nvidia_peermem",
-            );
-        }
+        let [_, _, other] = unknown_groups(a);
         if !other.is_empty() {
             self.add(
                 "unknown-symbol",
@@ -158,101 +251,99 @@ impl Report {
                 "rebuild it with the kernel's rustc: scripts/prepare-kdir, then dkms autoinstall",
             );
         }
-        self.signature(sys, log);
-        if self.findings.is_empty() {
-            let earlier = if peer_api.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; it failed to load before the peer-memory core was (Unknown symbol {})",
-                    peer_api.join(", ")
-                )
-            };
+    }
+
+    /// A latest attempt refused for its parameters.
+    fn parameters(&mut self, a: &Attempt) {
+        let params = a.of(|l| (l.kind == Kind::Parameter).then_some(l.text));
+        if !params.is_empty() {
             self.add(
-                "not-loaded",
-                format!("nvidia_peermem is not loaded (no {MODULE_DIR}){earlier}"),
-                "modprobe nvidia_peermem; if that fails, run peermem-stat doctor again to read why",
+                "invalid-parameter",
+                format!("nvidia_peermem refused its parameters (log: {})", quoted(&params)),
+                "correct them where they are set (/etc/modprobe.d/*.conf, the modprobe command line; \
+                 modinfo -p nvidia_peermem lists them), then modprobe nvidia_peermem",
             );
         }
     }
 
-    /// A load refused for the module's signature (Secure Boot nodes). The
-    /// kernel's lines do not name the module; they count while nvidia_peermem
-    /// is not loaded and has not loaded since.
-    fn signature(&mut self, sys: &Sys, log: &str) {
-        let refusals = signature_refusals(log);
-        let state = |abs: &str| sys.text(abs).and_then(Result::ok);
-        // "none [integrity] confidentiality": the bracketed one is in force.
-        let lockdown = state(LOCKDOWN).and_then(|s| {
-            let mode = s.split_once('[')?.1.split_once(']')?.0.to_string();
-            (mode != "none").then_some(mode)
-        });
-        let enforced = state(SIG_ENFORCE).is_some_and(|s| s == "Y");
-        let mut now = Vec::new();
-        if let Some(mode) = &lockdown {
-            now.push(format!("the kernel is locked down ({mode})"));
+    /// The symbols the latest attempt found unknown: a finding for each
+    /// group still missing now; what is loaded since, as text.
+    fn unknown_symbols(&mut self, a: &Attempt, live: &Live) -> Vec<String> {
+        let [peer_api, p2p, _] = unknown_groups(a);
+        let mut stale = Vec::new();
+        for (syms, now, what, id, problem, fix) in [
+            (
+                &peer_api,
+                &live.core,
+                "the peer-memory core",
+                "peer-memory-core-absent",
+                NO_CORE,
+                FIX_CORE,
+            ),
+            (
+                &p2p,
+                &live.gpu,
+                "the GPU driver",
+                "gpu-driver-absent",
+                NO_GPU,
+                FIX_GPU,
+            ),
+        ] {
+            let list = syms.join(", ");
+            match (syms.is_empty(), now) {
+                (true, _) => {}
+                (false, None) => self.add(
+                    id,
+                    format!("nvidia_peermem failed to load (Unknown symbol {list}) and {what} is not loaded now: {problem}"),
+                    fix,
+                ),
+                (false, Some(m)) => stale.push(format!(
+                    "before {what} was loaded (Unknown symbol {list}), which is loaded now (module {m})"
+                )),
+            }
         }
-        if enforced {
-            now.push("module signatures are enforced (sig_enforce=Y)".to_string());
-        }
-        let now = if now.is_empty() {
-            String::new()
-        } else {
-            format!("; {}", now.join(", "))
-        };
-        let quoted = |r: &[&str]| {
-            r.iter()
-                .map(|l| format!("\"{l}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        if !refusals.unsigned.is_empty() {
-            self.add(
-                "module-unsigned",
-                format!(
-                    "nvidia_peermem is not loaded and the kernel refused an unsigned module (log: {}; \
-                     modprobe says \"Key was rejected by service\"){now}: DKMS did not sign it",
-                    quoted(&refusals.unsigned)
-                ),
-                concat!(
-                    "DKMS signs what it builds when the kernel's config has CONFIG_MODULE_SIG_HASH and \
-                     sign-file is installed (Debian: linux-kbuild-<series>, with linux-headers): rebuild \
-                     it (dpkg-reconfigure nvidia-peermem-rs-dkms, or dkms install --force \
-                     nvidia-peermem-rs/<version>), then ",
-                    enroll!()
-                ),
-            );
-        }
-        if !refusals.untrusted.is_empty() {
-            self.add(
-                "module-key-not-enrolled",
-                format!(
-                    "nvidia_peermem is not loaded and the kernel refused a module signed with a key it \
-                     does not trust (log: {}; modprobe says \"Key was rejected by service\"){now}",
-                    quoted(&refusals.untrusted)
-                ),
-                enroll!(),
-            );
-        }
-        if !refusals.lockdown.is_empty() {
-            self.add(
-                "module-signature-lockdown",
-                format!(
-                    "nvidia_peermem is not loaded and the kernel, locked down, refused \
-                     a module that is unsigned or signed with a key it does not trust (log: {}; \
-                     modprobe says \"Operation not permitted\"){now}",
-                    quoted(&refusals.lockdown)
-                ),
-                concat!(
-                    "if modinfo -F signer nvidia_peermem prints nothing, DKMS did not sign it: \
-                     rebuild it (dpkg-reconfigure nvidia-peermem-rs-dkms); then ",
-                    enroll!()
-                ),
-            );
+        stale
+    }
+
+    /// A load refused for the module's signature (Secure Boot nodes), in
+    /// the latest attempt `a`. The kernel's lines do not name the module.
+    fn signature(&mut self, sys: &Sys, a: &Attempt) {
+        let refusals = signature_refusals(a);
+        let now = enforcement(sys);
+        let cases = [
+            (&refusals.unsigned, "module-unsigned", "the kernel refused an unsigned module",
+             "modprobe says \"Key was rejected by service\"", ": DKMS did not sign it",
+             concat!(
+                "DKMS signs what it builds when the kernel's config has CONFIG_MODULE_SIG_HASH and \
+                 sign-file is installed (Debian: linux-kbuild-<series>, with linux-headers): rebuild \
+                 it (dpkg-reconfigure nvidia-peermem-rs-dkms, or dkms install --force \
+                 nvidia-peermem-rs/<version>), then ",
+                enroll!()
+             )),
+            (&refusals.untrusted, "module-key-not-enrolled",
+             "the kernel refused a module signed with a key it does not trust",
+             "modprobe says \"Key was rejected by service\"", "", enroll!()),
+            (&refusals.lockdown, "module-signature-lockdown",
+             "the kernel, locked down, refused a module that is unsigned or signed with a key it does not trust",
+             "modprobe says \"Operation not permitted\"", "",
+             concat!(
+                "if modinfo -F signer nvidia_peermem prints nothing, DKMS did not sign it: \
+                 rebuild it (dpkg-reconfigure nvidia-peermem-rs-dkms); then ",
+                enroll!()
+             )),
+        ];
+        for (lines, id, what, says, tail, fix) in cases {
+            if !lines.is_empty() {
+                let problem = format!(
+                    "nvidia_peermem is not loaded and {what} (log: {}; {says}){now}{tail}",
+                    quoted(lines)
+                );
+                self.add(id, problem, fix);
+            }
         }
     }
 
-    fn loaded(&mut self, sys: &Sys, s: &Snapshot) {
+    fn loaded(&mut self, sys: &Sys, s: &Snapshot, log: Option<&Path>) {
         if let Err(why) = &s.stats {
             self.not_checked.push(format!("counters: {why}"));
         }
@@ -261,7 +352,7 @@ impl Report {
         // nothing about another module's.
         let (core, nv_mem) = (sys.exists(PEERS_DIR), sys.exists(NV_MEM));
         let ours = s.implementation == Some("peermem-rs");
-        if self.waiting(sys) {
+        if self.waiting(sys, log) {
             // Said: the module is not registered because it waits.
         } else if !nv_mem && (core || s.implementation == Some("other")) {
             self.add(
@@ -362,9 +453,10 @@ impl Report {
     }
 
     /// What a loaded peermem-rs waits for (`stats/waiting_for`); whether
-    /// it waits for something (a finding). Nothing without the file (an
-    /// older peermem-rs, or NVIDIA's module).
-    fn waiting(&mut self, sys: &Sys) -> bool {
+    /// it waits for something (a finding, with the refusals its latest load
+    /// logged). Nothing without the file (an older peermem-rs, or NVIDIA's
+    /// module).
+    fn waiting(&mut self, sys: &Sys, log: Option<&Path>) -> bool {
         let Ok(text) = Sys::read(&sys.path(WAITING_FOR)) else {
             return false;
         };
@@ -394,7 +486,8 @@ impl Report {
             id,
             format!(
                 "nvidia_peermem is loaded and waits for {what} before it registers its peer-memory \
-                 clients: until then no stack sees GPUDirect RDMA through it"
+                 clients: until then no stack sees GPUDirect RDMA through it{}",
+                refused_since_load(sys, log)
             ),
             fix,
         );
@@ -410,6 +503,9 @@ impl Report {
         for why in &self.not_checked {
             let _ = writeln!(err, "peermem-stat doctor: not checked: {why}");
         }
+        for h in &self.history {
+            let _ = writeln!(err, "peermem-stat doctor: history: {h}");
+        }
         if self.findings.is_empty() {
             writeln!(out, "ok")?;
         }
@@ -420,39 +516,52 @@ impl Report {
     }
 }
 
-/// What the kernel log says about failed loads of nvidia_peermem since its
-/// last successful one: the symbols it found unknown, and those whose
-/// version disagrees, each once.
-pub fn load_failures(log: &str) -> (Vec<&str>, Vec<&str>) {
-    let (mut unknown, mut disagrees) = (Vec::new(), Vec::new());
-    for line in log.lines() {
-        let Some((_, msg)) = line.split_once("nvidia_peermem: ") else {
-            continue;
-        };
-        // This module's "version 0.1.0 loaded: nv_mem ...".
-        if msg.starts_with("version ") && msg.contains(" loaded") {
-            unknown.clear();
-            disagrees.clear();
-            continue;
-        }
-        let (list, rest) = if let Some(r) = msg.strip_prefix("Unknown symbol ") {
-            (&mut unknown, r)
-        } else if let Some(r) = msg.strip_prefix("disagrees about version of symbol ") {
-            (&mut disagrees, r)
-        } else {
-            continue;
-        };
-        if let Some(sym) = rest.split_whitespace().next() {
-            if !list.contains(&sym) {
-                list.push(sym);
-            }
-        }
-    }
-    (unknown, disagrees)
+/// The symbols the attempt `a` found unknown: the core's, the GPU
+/// driver's, others.
+fn unknown_groups<'a>(a: &Attempt<'a>) -> [Vec<&'a str>; 3] {
+    let unknown = symbols(a, |k| match k {
+        Kind::Unknown(s) => Some(s),
+        _ => None,
+    });
+    let (peer_api, other): (Vec<&str>, Vec<&str>) = unknown
+        .iter()
+        .partition(|s| s.starts_with("ib_") && s.contains("peer_memory"));
+    let (p2p, other) = other.iter().partition(|s| s.starts_with("nvidia_p2p_"));
+    [peer_api, p2p, other]
 }
 
-/// The kernel's refusals of module signatures since nvidia_peermem last
-/// loaded, each distinct line once (the text after the record's prefix).
+/// "version V, at T s" of a load line.
+fn loaded_as(l: &attempts::Line) -> String {
+    let v = l
+        .text
+        .split_once("nvidia_peermem: ")
+        .map_or(l.text, |(_, m)| m);
+    let v = v.split_once(" loaded").map_or(v, |(v, _)| v);
+    l.secs
+        .map_or(v.to_string(), |t| format!("{v}, at {t:.1} s"))
+}
+
+/// Log lines, quoted: "\"a\", \"b\"".
+fn quoted(lines: &[&str]) -> String {
+    let q: Vec<String> = lines.iter().map(|l| format!("\"{l}\"")).collect();
+    q.join(", ")
+}
+
+/// The symbols of the lines of `a` that `f` picks, each once.
+fn symbols<'a>(a: &Attempt<'a>, f: impl Fn(Kind<'a>) -> Option<&'a str>) -> Vec<&'a str> {
+    let mut v = a.of(|l| f(l.kind));
+    let mut seen = Vec::new();
+    v.retain(|s| {
+        !seen.contains(s) && {
+            seen.push(*s);
+            true
+        }
+    });
+    v
+}
+
+/// The kernel's refusals of module signatures in one load attempt, each
+/// distinct line once (the text after the record's prefix).
 #[derive(Debug, Default, PartialEq)]
 pub struct SignatureRefusals<'a> {
     /// Enforced signatures, no signature: "Loading of unsigned module is
@@ -468,37 +577,63 @@ pub struct SignatureRefusals<'a> {
     pub lockdown: Vec<&'a str>,
 }
 
-pub fn signature_refusals(log: &str) -> SignatureRefusals<'_> {
+pub fn signature_refusals<'a>(a: &Attempt<'a>) -> SignatureRefusals<'a> {
     let mut r = SignatureRefusals::default();
-    for line in log.lines() {
-        if let Some((_, msg)) = line.split_once("nvidia_peermem: ") {
-            if msg.starts_with("version ") && msg.contains(" loaded") {
-                r = SignatureRefusals::default();
-            }
-            continue;
-        }
-        // /dev/kmsg's "6,812,5123,-;" or dmesg's "[   12.5] ".
-        let msg = match line.split_once(';') {
-            Some((head, rest)) if !head.contains(' ') && head.contains(',') => rest,
-            _ => line.split_once("] ").map_or(line, |(_, rest)| rest),
-        }
-        .trim();
-        let list = if msg.starts_with("Loading of unsigned module is rejected") {
-            &mut r.unsigned
-        } else if msg.starts_with("Loading of module with ") && msg.contains(" is rejected") {
-            &mut r.untrusted
-        } else if msg.starts_with("Lockdown: ")
-            && msg.contains(": unsigned module loading is restricted")
-        {
+    for msg in a.of(|l| (l.kind == Kind::Signature).then_some(l.text)) {
+        let list = if msg.starts_with("Lockdown: ") {
             &mut r.lockdown
+        } else if msg.starts_with("Loading of unsigned") {
+            &mut r.unsigned
         } else {
-            continue;
+            &mut r.untrusted
         };
         if !list.contains(&msg) {
             list.push(msg);
         }
     }
     r
+}
+
+/// "; the kernel is locked down (M), module signatures are enforced
+/// (sig_enforce=Y)", as far as each holds.
+fn enforcement(sys: &Sys) -> String {
+    let state = |abs: &str| sys.text(abs).and_then(Result::ok);
+    // "none [integrity] confidentiality": the bracketed one is in force.
+    let lockdown = state(LOCKDOWN).and_then(|s| {
+        let mode = s.split_once('[')?.1.split_once(']')?.0.to_string();
+        (mode != "none").then_some(mode)
+    });
+    let mut now = Vec::new();
+    if let Some(mode) = &lockdown {
+        now.push(format!("the kernel is locked down ({mode})"));
+    }
+    if state(SIG_ENFORCE).is_some_and(|s| s == "Y") {
+        now.push("module signatures are enforced (sig_enforce=Y)".to_string());
+    }
+    if now.is_empty() {
+        String::new()
+    } else {
+        format!("; {}", now.join(", "))
+    }
+}
+
+/// "; its latest load logged: \"...refused...\"" from the kernel log, or
+/// nothing (no such line, or the log unreadable: the finding stands without).
+fn refused_since_load(sys: &Sys, log: Option<&Path>) -> String {
+    let Ok(text) = read_log(sys, log) else {
+        return String::new();
+    };
+    let all = attempts::attempts(&text);
+    let refused = all.last().map_or(Vec::new(), |a| {
+        a.of(|l| {
+            let binding = [": refused module ", ": refused the GPU driver "];
+            binding.iter().any(|r| l.text.contains(r)).then_some(l.text)
+        })
+    });
+    match refused.get(refused.len().saturating_sub(2)..) {
+        Some(r) if !r.is_empty() => format!("; its latest load logged: \"{}\"", r.join("\", \"")),
+        _ => String::new(),
+    }
 }
 
 /// The kernel log: `file` (under the root when absolute), or /dev/kmsg
@@ -529,63 +664,4 @@ fn read_log(sys: &Sys, file: Option<&Path>) -> Result<String, String> {
         }
     }
     Ok(String::from_utf8_lossy(&text).into_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_lines() {
-        let log = "\
-3,812,5123,-;nvidia_peermem: disagrees about version of symbol ib_register_peer_memory_client
-4,813,5124,-;nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -22)
-[   12.5] nvidia_peermem: Unknown symbol nvidia_p2p_get_pages (err -2)
-[   12.6] nvidia_peermem: Unknown symbol nvidia_p2p_get_pages (err -2)
-[   12.7] other_mod: Unknown symbol foo (err -2)
- SUBSYSTEM=pci
-";
-        let (unknown, disagrees) = load_failures(log);
-        assert_eq!(
-            unknown,
-            ["ib_register_peer_memory_client", "nvidia_p2p_get_pages"]
-        );
-        assert_eq!(disagrees, ["ib_register_peer_memory_client"]);
-        assert_eq!(load_failures(""), (vec![], vec![]));
-        // A successful load since makes them stale.
-        let later = format!(
-            "{log}6,900,9000,-;nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"
-        );
-        assert_eq!(load_failures(&later), (vec![], vec![]));
-    }
-
-    #[test]
-    fn signature_lines() {
-        let log = "\
-5,700,100,-;Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7
-5,701,101,-;Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7
-[   12.5] Loading of unsigned module is rejected
-[   12.6] Loading of module with unavailable key is rejected
-[   12.7] Loading of module with unsupported crypto is rejected
-[   12.8] other: Loading of unsigned module is rejected later
-";
-        let r = signature_refusals(log);
-        assert_eq!(
-            r.lockdown,
-            ["Lockdown: insmod: unsigned module loading is restricted; see man kernel_lockdown.7"]
-        );
-        assert_eq!(r.unsigned, ["Loading of unsigned module is rejected"]);
-        assert_eq!(
-            r.untrusted,
-            [
-                "Loading of module with unavailable key is rejected",
-                "Loading of module with unsupported crypto is rejected"
-            ]
-        );
-        assert_eq!(signature_refusals(""), SignatureRefusals::default());
-        let later = format!(
-            "{log}6,900,9000,-;nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"
-        );
-        assert_eq!(signature_refusals(&later), SignatureRefusals::default());
-    }
 }

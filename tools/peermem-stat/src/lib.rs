@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod args;
+pub mod attempts;
 pub mod detect;
 pub mod diag;
 pub mod doctor;

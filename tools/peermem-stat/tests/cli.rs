@@ -1586,8 +1586,8 @@ fn doctor_peer_memory_core_absent() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].starts_with(
         "peer-memory-core-absent: nvidia_peermem failed to load (Unknown symbol \
-         ib_register_peer_memory_client, ib_unregister_peer_memory_client) and there is no \
-         /sys/kernel/mm/memory_peers"
+         ib_register_peer_memory_client, ib_unregister_peer_memory_client) and the peer-memory \
+         core is not loaded now: the loaded ib_core has no peer-memory API"
     ));
     assert!(lines[0].contains("Fix: install MLNX_OFED or DOCA-OFED"));
     // A core with clients now: the failure came before it was loaded.
@@ -1860,6 +1860,155 @@ fn doctor_waiting_for_core_and_gpu_driver() {
     t.file("/sys/module/nvidia_peermem/stats/waiting_for", "nothing\n");
     let (code, lines, _) = doctor(&t, &[]);
     assert_eq!((code, lines), (0, vec!["ok".to_string()]));
+}
+
+/// /proc/kallsyms with the entry points of `core` (the peer-memory core's
+/// module) and `gpu` (the GPU driver's), where given.
+fn kallsyms(t: &Tree, core: Option<&str>, gpu: Option<&str>) {
+    let mut text =
+        String::from("0000000000000000 T _text\n0000000000000000 t ib_uverbs_open\t[ib_uverbs]\n");
+    for (m, sym) in [
+        (core, "ib_register_peer_memory_client"),
+        (gpu, "nvidia_p2p_get_pages"),
+    ] {
+        if let Some(m) = m {
+            text.push_str(&format!("0000000000000000 T {sym}\t[{m}]\n"));
+        }
+    }
+    t.file("/proc/kallsyms", text);
+}
+
+// The issue 41 sequence as a new user meets it: the module refused for a
+// missing core, the core then loaded, the GPU driver unloaded, the module
+// tried again. The first failure is history, not a finding.
+const NEW_USER_OLD_STYLE: &str = "\
+6,700,2000000,-;Linux version 7.3.0-1-amd64
+4,801,10000000,-;nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -2)
+4,802,10000100,-;nvidia_peermem: Unknown symbol ib_unregister_peer_memory_client (err -2)
+6,803,30000000,-;mlx5_ib: loaded
+6,804,45000000,-;nvidia-nvlink: Unregistered Nvlink Core, major device number 238
+4,805,60000000,-;nvidia_peermem: Unknown symbol nvidia_p2p_get_pages (err -2)
+4,806,60000050,-;nvidia_peermem: Unknown symbol nvidia_p2p_put_pages (err -2)
+";
+
+#[test]
+fn doctor_new_user_sequence_old_style() {
+    let t = Tree::new("doctor-new-user-old");
+    t.file("/dev/kmsg", NEW_USER_OLD_STYLE);
+    // The core is loaded now (no client yet, so no memory_peers).
+    kallsyms(&t, Some("ib_core"), None);
+    assert_eq!(findings(&t, &[]), ["gpu-driver-absent"]);
+    let (_, lines, err) = doctor(&t, &[]);
+    assert!(lines[0].contains(
+        "(Unknown symbol nvidia_p2p_get_pages, nvidia_p2p_put_pages) and the GPU driver is not loaded now"
+    ));
+    assert!(!lines[0].contains("ib_register"), "{}", lines[0]);
+    assert_eq!(
+        err,
+        "peermem-stat doctor: history: an earlier load attempt, no longer current: failed at \
+         10.0 s: \"nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -2)\", \
+         \"nvidia_peermem: Unknown symbol ib_unregister_peer_memory_client (err -2)\"\n"
+    );
+    let (_, out, _) = t.run(&["doctor", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["findings"].as_array().unwrap().len(), 1);
+    assert_eq!(v["history"].as_array().unwrap().len(), 1);
+    // The GPU driver loaded since (the emulator's module here): nothing is
+    // missing, the module only has to be loaded again.
+    kallsyms(&t, Some("ib_core"), Some("nv_p2p_emu"));
+    let (_, lines, _) = doctor(&t, &[]);
+    assert_eq!(
+        lines[0].split(". Fix: ").next().unwrap(),
+        "not-loaded: nvidia_peermem is not loaded (no /sys/module/nvidia_peermem); its latest \
+         load attempt failed before the GPU driver was loaded (Unknown symbol \
+         nvidia_p2p_get_pages, nvidia_p2p_put_pages), which is loaded now (module nv_p2p_emu); \
+         now the peer-memory core loaded (module ib_core), the GPU driver loaded (module nv_p2p_emu)"
+    );
+    // Both gone now: only what the latest attempt said, the GPU driver.
+    kallsyms(&t, None, None);
+    assert_eq!(findings(&t, &[]), ["gpu-driver-absent"]);
+}
+
+#[test]
+fn doctor_new_user_sequence_late_binding() {
+    // This module: it loaded and waited for the core, bound it and
+    // registered; was unloaded (the kernel logs nothing), the GPU driver
+    // too; loaded again and waits for the GPU driver, a refused one named.
+    let log = "\
+[   10.000000] nvidia_peermem: version 0.1.0 loaded, waiting for the peer-memory core (ib_register_peer_memory_client: ib_core, ib_uverbs or an OFED build): its clients register once both are loaded
+[   30.000000] nvidia_peermem: registered with the peer-memory core: nv_mem (invalidating), nv_mem_nc (persistent) (bound to module ib_core)
+[   60.000000] nvidia_peermem: refused the GPU driver in module nvidia: version '460.91.03' is not one this module knows (R470 or later, MAJOR.MINOR[.PATCH]); waiting for another
+[   60.000100] nvidia_peermem: version 0.1.0 loaded, waiting for the GPU driver (nvidia_p2p_get_pages: nvidia): its clients register once both are loaded
+";
+    let t = Tree::ours("doctor-new-user-late");
+    fs::remove_dir_all(t.at("/sys/kernel/mm/memory_peers/nv_mem")).unwrap();
+    t.file(
+        "/sys/module/nvidia_peermem/stats/waiting_for",
+        "gpu-driver\n",
+    )
+    .file("/dev/kmsg", log);
+    assert_eq!(findings(&t, &[]), ["waiting-for-gpu-driver"]);
+    let (_, lines, _) = doctor(&t, &[]);
+    assert!(
+        lines[0].contains(
+            "waits for the GPU driver before it registers its peer-memory clients: until then no \
+             stack sees GPUDirect RDMA through it; its latest load logged: \"nvidia_peermem: \
+             refused the GPU driver in module nvidia: version '460.91.03'"
+        ),
+        "{}",
+        lines[0]
+    );
+    // Unloaded again, the GPU driver still absent.
+    fs::remove_dir_all(t.at("/sys/module/nvidia_peermem")).unwrap();
+    fs::remove_dir_all(t.at("/sys/module/nvidia")).unwrap();
+    kallsyms(&t, Some("ib_uverbs"), None);
+    let (_, lines, err) = doctor(&t, &[]);
+    assert_eq!(lines.len(), 1);
+    assert!(
+        lines[0].starts_with("not-loaded: nvidia_peermem is not loaded")
+            && lines[0]
+                .contains("; it loaded last (version 0.1.0, at 60.0 s) and was unloaded since;")
+            && lines[0].contains(
+                "now the peer-memory core loaded (module ib_uverbs), the GPU driver not loaded."
+            ),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        err.contains("history: an earlier load attempt, no longer current: loaded at 10.0 s"),
+        "{err}"
+    );
+}
+
+#[test]
+fn doctor_latest_attempt_wins() {
+    // A wrapped ring buffer (the first attempt cut off), loads and unloads,
+    // then a refusal of the module's parameters: that one is the finding.
+    let t = Tree::new("doctor-latest");
+    kallsyms(&t, Some("ib_core"), Some("nvidia"));
+    let log = "\
+[    3.2] nvidia_peermem: Unknown symbol ib_unregister_peer_memory_client (err -2)
+[   20.0] nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)
+[   40.0] nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)
+[   41.0] nvidia_peermem: GPU 0000:01:00.0 and peer 0000:02:00.0: path PIX (IOMMU: off)
+[   90.0] nvidia_peermem: invalid parameter path_policy=9 (0 to allow every path, 1..5 for PIX..SYS)
+";
+    t.file("/var/log/kern.log", log);
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/kern.log"]),
+        ["invalid-parameter"]
+    );
+    let (_, _, err) = doctor(&t, &["--log", "/var/log/kern.log"]);
+    assert_eq!(err.matches("history: ").count(), 3, "{err}");
+    // A load since: the refusal is history.
+    t.file(
+        "/var/log/kern.log",
+        format!("{log}[  95.0] nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)\n"),
+    );
+    assert_eq!(
+        findings(&t, &["--log", "/var/log/kern.log"]),
+        ["not-loaded"]
+    );
 }
 
 #[test]
