@@ -135,6 +135,7 @@ int rxe_mr_init_peer(struct rxe_mr *mr, struct ib_umem *umem)
 	struct rxe_peer_mr *pm;
 	struct scatterlist *sg;
 	unsigned long pages = 0;
+	dma_addr_t dma0;
 	unsigned int i;
 
 	if (dom && !(dom->type & __IOMMU_DOMAIN_PAGING))
@@ -187,8 +188,9 @@ int rxe_mr_init_peer(struct rxe_mr *mr, struct ib_umem *umem)
 	mr->ibmr.type = IB_MR_TYPE_USER;
 	mr->state = RXE_MR_STATE_VALID;
 	atomic64_inc(&st_peer_mrs);
-	pr_info("MR lkey %#x: %zu bytes of peer memory at %#lx, %u DMA entries, %u BAR ranges (first %pa)\n",
-		mr->lkey, umem->length, umem->address, sgt->nents, pm->nsegs, &pm->segs[0].phys);
+	dma0 = sg_dma_address(sgt->sgl);
+	pr_info("MR lkey %#x: %zu bytes of peer memory at %#lx, %u DMA entries (first %pad), %u BAR ranges (first %pa)\n",
+		mr->lkey, umem->length, umem->address, sgt->nents, &dma0, pm->nsegs, &pm->segs[0].phys);
 	ib_umem_activate_invalidation_notifier(umem, rxe_peer_invalidate, mr);
 	return 0;
 }
