@@ -1331,6 +1331,150 @@ EXPORT_SYMBOL(nvidia_p2p_destroy_mapping);
 /* --- user interface: "cudaMalloc/cudaFree" -------------------------------- */
 
 /*
+ * The allocations made by mmap (NVEMU_MMAP_ALLOC), newest last, for the
+ * harness to find an unmodified program's GPU buffers: debugfs mmap_allocs,
+ * one line each: "pid <tgid> gpu <i> bar_offset <bytes> size <bytes> va <hex>".
+ */
+#define MMAP_LOG 32
+static struct {
+	pid_t pid;
+	int gpu;
+	u64 bar_offset, size, va;
+} mmap_log[MMAP_LOG];
+static unsigned int mmap_log_n;	/* entries ever made; rm_api_lock */
+
+static void mmap_log_add(struct emu_alloc *a, u64 size)
+{
+	unsigned int i = mmap_log_n++ % MMAP_LOG;
+
+	mmap_log[i].pid = current->tgid;
+	mmap_log[i].gpu = a->gpu->index;
+	mmap_log[i].bar_offset = a->chunk * GPU_PAGE;
+	mmap_log[i].size = size;
+}
+
+static int mmap_allocs_show(struct seq_file *m, void *v)
+{
+	unsigned int i;
+
+	rm_lock();
+	i = mmap_log_n > MMAP_LOG ? mmap_log_n - MMAP_LOG : 0;
+	for (; i < mmap_log_n; i++)
+		seq_printf(m, "pid %d gpu %d bar_offset %llu size %llu\n", mmap_log[i % MMAP_LOG].pid,
+			   mmap_log[i % MMAP_LOG].gpu, mmap_log[i % MMAP_LOG].bar_offset,
+			   mmap_log[i % MMAP_LOG].size);
+	rm_unlock();
+	return 0;
+}
+DEFINE_SHOW_ATTRIBUTE(mmap_allocs);
+
+/*
+ * debugfs gpu<i>_mem: the GPU's memory (its BAR) as a file, read and
+ * written by the CPU at any offset, whoever owns it: how the harness checks
+ * the bytes a device moved into an unmodified program's buffer, also after
+ * that program has exited (freed memory keeps its bytes until reused).
+ */
+static ssize_t gpu_mem_rw(struct file *f, char __user *ubuf, size_t n, loff_t *pos, bool wr)
+{
+	struct emu_gpu *g = f->private_data;
+	void __iomem *p;
+	phys_addr_t base;
+	void *tmp;
+	ssize_t ret = n;
+
+	if (coherent)
+		return -EOPNOTSUPP;
+	if (*pos < 0 || *pos >= g->size)
+		return 0;
+	n = min_t(u64, n, min_t(u64, g->size - *pos, GPU_PAGE));
+	base = g->bar + ALIGN_DOWN(*pos, PAGE_SIZE);
+	tmp = kmalloc(n, GFP_KERNEL);
+	p = ioremap_wc(base, PAGE_ALIGN(*pos - ALIGN_DOWN(*pos, PAGE_SIZE) + n));
+	if (!tmp || !p) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	if (wr) {
+		if (copy_from_user(tmp, (const char __user *)ubuf, n)) {
+			ret = -EFAULT;
+			goto out;
+		}
+		memcpy_toio(p + (*pos - ALIGN_DOWN(*pos, PAGE_SIZE)), tmp, n);
+	} else {
+		memcpy_fromio(tmp, p + (*pos - ALIGN_DOWN(*pos, PAGE_SIZE)), n);
+		if (copy_to_user(ubuf, tmp, n)) {
+			ret = -EFAULT;
+			goto out;
+		}
+	}
+	*pos += n;
+	ret = n;
+out:
+	if (p)
+		iounmap(p);
+	kfree(tmp);
+	return ret;
+}
+
+static ssize_t gpu_mem_read(struct file *f, char __user *ubuf, size_t n, loff_t *pos)
+{
+	return gpu_mem_rw(f, ubuf, n, pos, false);
+}
+
+static ssize_t gpu_mem_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	return gpu_mem_rw(f, (char __user *)ubuf, n, pos, true);
+}
+
+static const struct file_operations gpu_mem_fops = {
+	.owner = THIS_MODULE,
+	.open = simple_open,
+	.read = gpu_mem_read,
+	.write = gpu_mem_write,
+	.llseek = default_llseek,
+};
+
+/*
+ * debugfs cudafree: "<gpu> <bar_offset>" frees the allocation that starts
+ * there, as its owner's cudaFree would (free callbacks now, under the RM
+ * lock; persistent pins keep the memory); its mapping stays, as after the
+ * FREE ioctl. For programs the harness cannot change (perftest).
+ */
+static ssize_t cudafree_write(struct file *f, const char __user *ubuf, size_t n, loff_t *pos)
+{
+	char buf[64];
+	unsigned int gpu;
+	u64 off;
+	struct emu_alloc *a, *found = NULL;
+	unsigned int cbs = 0;
+
+	if (n >= sizeof(buf) || copy_from_user(buf, ubuf, n))
+		return -EINVAL;
+	buf[n] = 0;
+	if (sscanf(buf, "%u %llu", &gpu, &off) != 2 || gpu >= ngpus)
+		return -EINVAL;
+	rm_lock();
+	list_for_each_entry(a, &allocs, node) {
+		if (a->gpu == gpus[gpu] && a->chunk * GPU_PAGE == off && !a->freed) {
+			found = a;
+			break;
+		}
+	}
+	if (found)
+		cbs = free_alloc(found);
+	rm_unlock();
+	if (!found)
+		return -ENOENT;
+	pr_info("cudaFree of GPU %u offset %llu by the harness: %u free callback(s)\n", gpu, off, cbs);
+	return n;
+}
+
+static const struct file_operations cudafree_fops = {
+	.owner = THIS_MODULE,
+	.write = cudafree_write,
+};
+
+/*
  * munmap, or the owner's exit. With deferred_teardown_ms set, an exit's
  * teardown goes to the nv_queue kernel thread instead (RM's deferred fd
  * close): the callbacks then come from a kernel thread after the owner is
@@ -1372,6 +1516,8 @@ static const struct vm_operations_struct emu_vm_ops = {
 	.mremap = emu_vma_mremap,
 };
 
+static struct emu_alloc *alloc_on(u64 gpu, u64 size, struct file *file);
+
 static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 {
 	u64 off = (u64)vma->vm_pgoff << PAGE_SHIFT;
@@ -1381,23 +1527,43 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 	int err;
 
 	rm_lock();
-	list_for_each_entry(a, &allocs, node) {
-		if (a->offset == off && a->file == file && !a->mapped && !a->freed && !a->deferred) {
-			found = a;
-			break;
+	if (off < NVEMU_MMAP_ALLOC_END) {
+		/*
+		 * Allocate on mmap (NVEMU_MMAP_ALLOC): an unmodified program
+		 * (perftest --mmap=/dev/nv_p2p_emu) gets GPU memory from a
+		 * plain mmap of the file; the VMA owns the allocation.
+		 */
+		if ((off & 0xffffffffULL) || !IS_ALIGNED(vma->vm_start, GPU_PAGE)) {
+			rm_unlock();
+			return -EINVAL;
 		}
-	}
-	if (!found || found->size != size || !IS_ALIGNED(vma->vm_start, GPU_PAGE)) {
-		rm_unlock();
-		return -EINVAL;
+		found = alloc_on(off >> 32, size, file);
+		if (IS_ERR(found)) {
+			rm_unlock();
+			return PTR_ERR(found);
+		}
+		mmap_log_add(found, size);
+	} else {
+		list_for_each_entry(a, &allocs, node) {
+			if (a->offset == off && a->file == file && !a->mapped && !a->freed &&
+			    !a->deferred) {
+				found = a;
+				break;
+			}
+		}
+		if (!found || found->size != size || !IS_ALIGNED(vma->vm_start, GPU_PAGE)) {
+			rm_unlock();
+			return -EINVAL;
+		}
 	}
 	vm_flags_set(vma, VM_IO | VM_PFNMAP | VM_DONTEXPAND | VM_DONTCOPY | VM_DONTDUMP);
 	if (coherent) {
 		/* Cacheable RAM, chunk by chunk: still no struct page for GUP. */
-		for (i = 0, err = 0; i < size / GPU_PAGE && !err; i++)
+		for (i = 0, err = 0; i < DIV_ROUND_UP(size, GPU_PAGE) && !err; i++)
 			err = remap_pfn_range(vma, vma->vm_start + i * GPU_PAGE,
 					      chunk_phys(found->gpu, found->chunk + i) >> PAGE_SHIFT,
-					      GPU_PAGE, vma->vm_page_prot);
+					      min_t(u64, GPU_PAGE, size - i * GPU_PAGE),
+					      vma->vm_page_prot);
 	} else {
 		vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
 		err = io_remap_pfn_range(vma, vma->vm_start,
@@ -1405,11 +1571,17 @@ static int emu_mmap(struct file *file, struct vm_area_struct *vma)
 					 size, vma->vm_page_prot);
 	}
 	if (err) {
+		if (off < NVEMU_MMAP_ALLOC_END) {
+			found->freed = true;
+			maybe_destroy(found);
+		}
 		rm_unlock();
 		return err;
 	}
 	found->va = vma->vm_start;
 	found->mapped = true;
+	if (off < NVEMU_MMAP_ALLOC_END)
+		mmap_log[(mmap_log_n - 1) % MMAP_LOG].va = vma->vm_start;
 	vma->vm_private_data = found;
 	vma->vm_ops = &emu_vm_ops;
 	rm_unlock();
@@ -1431,38 +1603,29 @@ static unsigned long emu_get_unmapped_area(struct file *file, unsigned long addr
 	return ALIGN(a, GPU_PAGE);
 }
 
-static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
+/* "cudaMalloc" of @size bytes on GPU @gpu for @file. rm_api_lock held. */
+static struct emu_alloc *alloc_on(u64 gpu, u64 size, struct file *file)
 {
-	struct nvemu_alloc arg;
 	struct emu_alloc *a;
 	struct emu_gpu *g;
 	unsigned long chunks, start;
 
-	if (copy_from_user(&arg, uarg, sizeof(arg)))
-		return -EFAULT;
-	if (arg.gpu >= ngpus || !arg.size || arg.size > (1ULL << 40))
-		return -EINVAL;
-	g = gpus[arg.gpu];
-	if (READ_ONCE(g->gone))
-		return -ENODEV;
-	chunks = DIV_ROUND_UP(arg.size, GPU_PAGE);
+	if (gpu >= ngpus || !size || size > (1ULL << 40))
+		return ERR_PTR(-EINVAL);
+	g = gpus[gpu];
+	if (g->gone)
+		return ERR_PTR(-ENODEV);
+	chunks = DIV_ROUND_UP(size, GPU_PAGE);
 	a = kzalloc(sizeof(*a), GFP_KERNEL);
 	if (!a)
-		return -ENOMEM;
+		return ERR_PTR(-ENOMEM);
 	INIT_LIST_HEAD(&a->tables);
 	INIT_WORK(&a->race_work, race_free_fn);
 	kthread_init_work(&a->defer_work, deferred_teardown_fn);
-	rm_lock();
-	if (g->gone) {
-		rm_unlock();
-		kfree(a);
-		return -ENODEV;
-	}
 	start = bitmap_find_next_zero_area(g->used, g->nchunks, 0, chunks, 0);
 	if (start >= g->nchunks || coherent_ram(g, start, chunks)) {
-		rm_unlock();
 		kfree(a);
-		return -ENOMEM;
+		return ERR_PTR(-ENOMEM);
 	}
 	bitmap_set(g->used, start, chunks);
 	a->gpu = g;
@@ -1472,6 +1635,22 @@ static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
 	a->size = (u64)chunks * GPU_PAGE;
 	a->offset = ((u64)(g->index + 1) << 40) + (u64)start * GPU_PAGE;
 	list_add_tail(&a->node, &allocs);
+	return a;
+}
+
+static long emu_alloc_ioctl(struct file *file, struct nvemu_alloc __user *uarg)
+{
+	struct nvemu_alloc arg;
+	struct emu_alloc *a;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	rm_lock();
+	a = alloc_on(arg.gpu, arg.size, file);
+	if (IS_ERR(a)) {
+		rm_unlock();
+		return PTR_ERR(a);
+	}
 	arg.offset = a->offset;
 	arg.size = a->size;
 	rm_unlock();
@@ -1805,6 +1984,14 @@ static int __init emu_init(void)
 	if (proc_mkdir("driver/nvidia", NULL))
 		proc_create_single("driver/nvidia/params", 0444, NULL, params_show);
 	debugfs_create_file("reclaim_lost_pins", 0200, dbg_dir, NULL, &lost_fops);
+	debugfs_create_file("mmap_allocs", 0400, dbg_dir, NULL, &mmap_allocs_fops);
+	debugfs_create_file("cudafree", 0200, dbg_dir, NULL, &cudafree_fops);
+	for (i = 0; i < ngpus; i++) {
+		char name[16];
+
+		snprintf(name, sizeof(name), "gpu%d_mem", i);
+		debugfs_create_file(name, 0600, dbg_dir, gpus[i], &gpu_mem_fops);
+	}
 	for (i = 0; i < INJ_COUNT; i++)
 		atomic_set(&inj_left[i], 0);
 	pr_info("%d emulated GPU(s), page table version %#x%s%s\n", ngpus, page_table_version,

@@ -44,6 +44,18 @@ struct nvemu_info {
 	__u64 provider_map_ns;	/* part of provider_ns inside dma_map_pages/dma_unmap_pages */
 };
 
+/*
+ * mmap offsets below NVEMU_MMAP_ALLOC_END allocate on mmap: offset
+ * NVEMU_MMAP_ALLOC(gpu) gives a new allocation of the mapping's size on that
+ * GPU, owned by the mapping (munmap or exit frees it), so that an unmodified
+ * program gets GPU memory from `mmap` of /dev/nv_p2p_emu (perftest
+ * --mmap=/dev/nv_p2p_emu, offset 0: GPU 0). The allocations made so are in
+ * debugfs mmap_allocs; gpu<i>_mem reads and writes a GPU's memory; cudafree
+ * frees one by GPU and BAR offset.
+ */
+#define NVEMU_MMAP_ALLOC(gpu)	((__u64)(gpu) << 32)
+#define NVEMU_MMAP_ALLOC_END	(1ULL << 40)
+
 #define NVEMU_IOC_ALLOC	_IOWR('N', 1, struct nvemu_alloc)
 #define NVEMU_IOC_FREE	_IOW('N', 2, __u64)	/* cudaFree(va): free now, keep the VMA */
 #define NVEMU_IOC_INFO	_IOR('N', 3, struct nvemu_info)
