@@ -472,10 +472,10 @@ pub(crate) enum Bar1Charged {
 }
 
 /// Charges a pin of `len` bytes whose first page is at BAR address `phys`
-/// to its GPU's BAR1 use, as the GPU driver spends it: it maps a GPU page
-/// into BAR1 once for every pin of it (real-driver-behaviour.md, BAR1), so
-/// a run pinned again (the same memory registered on another HCA) costs
-/// nothing more; another run of overlapping pages is counted again, so the
+/// to its GPU's BAR1 use, as the GPU driver spends it: a pin of pages it
+/// mapped for the same owner already reuses that mapping (RM's
+/// `_reuseThirdPartyP2PMappingExtent`, gpu/bus/p2p.c), so a run pinned
+/// again (the same memory registered on another HCA) costs nothing more; another run of overlapping pages is counted again, so the
 /// use can be over-counted by such overlaps (docs/design.md, "The BAR1
 /// guard"). Refused when the use would pass `pct` percent of the BAR (0:
 /// no limit).

@@ -273,7 +273,9 @@ impl<R: Resources> Lifecycle<R> {
 
     fn refuse(&self) -> Refusal {
         match self.phase {
-            Phase::Revoked | Phase::Drained => Refusal::Revoked,
+            // Orphaned: also where OFED 4.x released a registration being
+            // made from inside the drain's invalidate.
+            Phase::Revoked | Phase::Drained | Phase::Orphaned => Refusal::Revoked,
             p => Refusal::Forbidden(p),
         }
     }

@@ -372,7 +372,7 @@ mod lifecycle_tests {
         assert_eq!(how, Unpinned::Raced);
         assert!(tok.is_none());
         assert_eq!(l.unmap(), None);
-        assert_eq!(l.start_map(), Err(Refusal::Forbidden(Phase::Orphaned)));
+        assert_eq!(l.start_map(), Err(Refusal::Revoked));
         assert_eq!(l.phase(), Phase::Orphaned);
         assert_eq!(DROPS.load(Relaxed), 0);
         // The callback ends it, consuming its reference.
@@ -719,7 +719,7 @@ mod lifecycle_tests {
             Self {
                 p,
                 persistent,
-                refusal: if matches!(p, Revoked | Drained) {
+                refusal: if matches!(p, Revoked | Drained | Orphaned) {
                     Refusal::Revoked
                 } else {
                     Refusal::Forbidden(p)

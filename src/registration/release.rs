@@ -42,14 +42,22 @@ impl Registration {
         let ids = (self.mode == Mode::Invalidating).then(compat::current_ids);
         let (r, charge, owner) = {
             let mut g = self.enter();
-            if let Some((me, _)) = ids {
+            let mut tgid = 0;
+            if let Some((me, t)) = ids {
                 while g.in_core.is_some_and(|t| t != me) {
                     self.wait(&mut g);
+                }
+                // Released from inside our own call of the core's invalidate
+                // (a drain's, on OFED 4.x): never unpinned there, as a free
+                // callback holding the GPU driver's lock may be waiting for
+                // that call; the pin is left to the callback (orphaned).
+                if g.in_core.is_none() {
+                    tgid = t;
                 }
             }
             self.holds_map.store(0, Relaxed);
             let owner = g.lc.owner().unwrap_or(0);
-            let r = g.lc.release(ids.map_or(0, |(_, tgid)| tgid));
+            let r = g.lc.release(tgid);
             // A persistent pin's life ends here, and its count with it
             // (released once the unpin returned).
             let charge = if r.ended {

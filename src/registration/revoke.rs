@@ -72,6 +72,12 @@ impl Registration {
             while g.mapper {
                 self.wait(&mut g);
             }
+            // A drain is inside the core's invalidate for this registration:
+            // the device's access ends only once that returned, and the
+            // provider frees the memory as soon as we return.
+            while action == Invalidate::Quiet && g.in_core.is_some() {
+                self.wait(&mut g);
+            }
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
             let charges = if ended {
                 (g.charge.take(), g.bar1.take())

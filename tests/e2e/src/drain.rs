@@ -160,6 +160,9 @@ fn drain_with_mrs(ctx: &mut Ctx) -> Result<Vec<String>, String> {
         "the core unloaded under live MRs"
     );
     ctx.core.dereg(hi).map_err(errno_name)?;
+    // OFED 4.x released it from inside the drain's invalidate: its pin was
+    // left to the free callback, which this free brings.
+    drop(a);
     ensure!(
         read(WAITING) == "drain-holders",
         "completed with a persistent MR held"
