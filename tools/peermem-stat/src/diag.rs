@@ -53,6 +53,14 @@ pub struct GpuRec {
     pub live: u64,
     pub pinned_bytes: u64,
     pub max_pinned_bytes: u64,
+    /// BAR1 size, use (each pinned run once) and the pins the BAR1 guard
+    /// refused (releases with the guard).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bar1_size: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bar1_used: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bar1_refused: Option<u64>,
 }
 
 /// One process of `processes` (only those with live registrations).
@@ -278,6 +286,9 @@ pub fn parse_gpus(text: &str) -> Records<GpuRec> {
                 live: l.num("live")?,
                 pinned_bytes: l.num("pinned_bytes")?,
                 max_pinned_bytes: l.num("max_pinned_bytes")?,
+                bar1_size: l.num("bar1_size").ok(),
+                bar1_used: l.num("bar1_used").ok(),
+                bar1_refused: l.num("bar1_refused").ok(),
             })
         },
         |r| pci_key(&r.gpu),

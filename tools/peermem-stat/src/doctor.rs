@@ -414,6 +414,7 @@ impl Report {
             );
         }
 
+        self.bar1(s);
         let (orphaned, stranded) = (stat("orphaned_pins"), stat("stranded_pins"));
         let procs = s
             .diag
@@ -452,6 +453,46 @@ impl Report {
         }
     }
 
+    /// GPUs whose BAR1 use is near the BAR1 guard's limit (90% of it), or
+    /// whose pins it refused.
+    fn bar1(&mut self, s: &Snapshot) {
+        let pct = s
+            .module
+            .parameters
+            .iter()
+            .find(|(n, _)| n == "bar1_limit_pct")
+            .and_then(|(_, v)| v.as_ref().ok()?.trim().parse::<u64>().ok());
+        let (Some(pct), Ok(gpus)) = (pct.filter(|&p| p > 0), s.diag.gpus.as_ref()) else {
+            return;
+        };
+        let near: Vec<String> = gpus
+            .records
+            .iter()
+            .filter_map(|g| {
+                let (size, used) = (g.bar1_size?, g.bar1_used?);
+                let limit = size / 100 * pct;
+                let refused = g.bar1_refused.unwrap_or(0);
+                (used * 10 >= limit * 9 || refused > 0).then(|| {
+                    format!(
+                        "GPU {}: {used} of {limit} bytes ({refused} pins refused)",
+                        g.gpu
+                    )
+                })
+            })
+            .collect();
+        if !near.is_empty() {
+            self.add(
+                "bar1-near-limit",
+                format!(
+                    "BAR1 use near the limit (bar1_limit_pct={pct} of each GPU's BAR1): {}; pins past it fail with ENOMEM",
+                    near.join(", ")
+                ),
+                "deregister GPU memory, raise the limit (as root: echo N > \
+                 /sys/module/nvidia_peermem/parameters/bar1_limit_pct), or enable resizable BAR",
+            );
+        }
+    }
+
     /// What a loaded peermem-rs waits for (`stats/waiting_for`); whether
     /// it waits for something (a finding, with the refusals its latest load
     /// logged). Nothing without the file (an older peermem-rs, or NVIDIA's
@@ -469,6 +510,31 @@ impl Report {
                 "the peer-memory core and the GPU driver",
                 LOAD_BOTH,
             ),
+            "drain-holders" => {
+                self.add(
+                    "draining",
+                    format!(
+                        "nvidia_peermem is draining (/sys/module/nvidia_peermem/drain): new registrations are \
+                         refused, and it completes once the processes still holding GPU memory end their \
+                         registrations{}",
+                        drain_holders(sys, log)
+                    ),
+                    "let those processes deregister or exit (persistent registrations cannot be revoked), \
+                     or echo 0 > /sys/module/nvidia_peermem/drain to take registrations again",
+                );
+                return true;
+            }
+            "drained" => {
+                self.add(
+                    "drained",
+                    "nvidia_peermem is drained: it unregistered from the peer-memory core and holds neither \
+                     the core's module nor nvidia; no stack sees GPUDirect RDMA through it"
+                        .into(),
+                    "restart OFED or the GPU driver now: it registers again when either is loaded again; \
+                     or echo 0 > /sys/module/nvidia_peermem/drain",
+                );
+                return true;
+            }
             "core-refused" => {
                 self.add(
                     "core-refused-clients",
@@ -615,6 +681,34 @@ fn enforcement(sys: &Sys) -> String {
     } else {
         format!("; {}", now.join(", "))
     }
+}
+
+/// "; the drain named: \"...\"" (the holders its latest drain logged), or
+/// nothing (the log unreadable: root reads it).
+fn drain_holders(sys: &Sys, log: Option<&Path>) -> String {
+    let Ok(text) = read_log(sys, log) else {
+        return String::new();
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.iter().rposition(|l| {
+        l.contains("nvidia_peermem: drain") && l.contains("new registrations are refused")
+    });
+    let named: Vec<&str> = start.map_or(Vec::new(), |i| {
+        lines[i..]
+            .iter()
+            .filter_map(|l| {
+                l.split_once("nvidia_peermem: drain: process ")
+                    .map(|(_, t)| t)
+            })
+            .collect()
+    });
+    if named.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; its latest drain named: process {}",
+        named.join("; process ")
+    )
 }
 
 /// "; its latest load logged: \"...refused...\"" from the kernel log, or

@@ -2093,3 +2093,65 @@ fn completions() {
         );
     }
 }
+
+#[test]
+fn doctor_drain_states() {
+    // Draining: the holders its latest drain logged are named (root reads
+    // the log); an earlier drain's are not.
+    let log = "\
+[   10.000000] nvidia_peermem: version 0.1.0 loaded: nv_mem (persistent)
+[   20.000000] nvidia_peermem: drain: new registrations are refused; 0 revoked through the core; 1 processes hold GPU memory
+[   20.000100] nvidia_peermem: drain: process 77 (old_app) holds 1 persistent registrations (65536 bytes), which cannot be revoked: the drain completes when it deregisters them or exits
+[   30.000000] nvidia_peermem: drain ended (drain set to 0): registrations are accepted again
+[   40.000000] nvidia_peermem: drain: new registrations are refused; 2 revoked through the core; 2 processes hold GPU memory
+[   40.000100] nvidia_peermem: drain: process 4242 (ib_write_bw) holds 2 persistent registrations (4194304 bytes), which cannot be revoked: the drain completes when it deregisters them or exits
+[   40.000200] nvidia_peermem: drain: process 4343 (nccl-test) holds 2 pins of GPU memory (131072 bytes), revoked for the device: the drain completes when it deregisters, frees the memory or exits
+";
+    let t = Tree::ours("doctor-drain");
+    t.file(
+        "/sys/module/nvidia_peermem/stats/waiting_for",
+        "drain-holders\n",
+    )
+    .file("/dev/kmsg", log);
+    assert_eq!(findings(&t, &[]), ["draining"]);
+    let (_, lines, _) = doctor(&t, &[]);
+    assert!(
+        lines[0].contains("its latest drain named: process 4242 (ib_write_bw) holds 2 persistent")
+            && lines[0].contains("; process 4343 (nccl-test) holds 2 pins")
+            && !lines[0].contains("old_app"),
+        "{}",
+        lines[0]
+    );
+    t.file("/sys/module/nvidia_peermem/stats/waiting_for", "drained\n");
+    assert_eq!(findings(&t, &[]), ["drained"]);
+}
+
+#[test]
+fn doctor_bar1_near_the_limit() {
+    let t = with_diag("doctor-bar1");
+    t.file(
+        "/sys/module/nvidia_peermem/parameters/bar1_limit_pct",
+        "80\n",
+    )
+    .file(
+        "/sys/module/nvidia_peermem/stats/gpus",
+        "gpu=0000:00:04.0 live=1 pinned_bytes=65536 max_pinned_bytes=65536 gate_shared_bridge=unknown gate_other=unknown bar1_size=268435456 bar1_used=65536 max_bar1_used=65536 bar1_refused=0\n\
+         gpu=0000:00:05.0 live=3 pinned_bytes=201326592 max_pinned_bytes=201326592 gate_shared_bridge=unknown gate_other=unknown bar1_size=268435456 bar1_used=201326592 max_bar1_used=201326592 bar1_refused=2\n",
+    );
+    let (_, lines, _) = doctor(&t, &[]);
+    let l = lines
+        .iter()
+        .find(|l| l.starts_with("bar1-near-limit: "))
+        .unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(
+        l.contains("GPU 0000:00:05.0: 201326592 of 214748320 bytes (2 pins refused)")
+            && !l.contains("0000:00:04.0"),
+        "{l}"
+    );
+    // A release without the guard (no bar1_ keys): nothing said.
+    t.file(
+        "/sys/module/nvidia_peermem/stats/gpus",
+        "gpu=0000:00:05.0 live=3 pinned_bytes=201326592 max_pinned_bytes=201326592\n",
+    );
+    assert!(!findings(&t, &[]).iter().any(|f| f == "bar1-near-limit"));
+}
