@@ -480,7 +480,6 @@ pub(crate) enum Bar1Charged {
 /// guard"). Refused when the use would pass `pct` percent of the BAR (0:
 /// no limit).
 pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
-    const PAGE: u64 = crate::range::GPU_PAGE_SIZE;
     // Allocated before the lock; unused when the run is pinned already.
     let node = RBTreeNodeReservation::new(GFP_KERNEL);
     let mut guard = TABLES.lock();
@@ -489,8 +488,8 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
         return Bar1Charged::UnknownGpu;
     };
     let g = t.gpus[gpu.slot];
-    let (page, pages) = ((phys - g.bar_start) / PAGE, len / PAGE);
-    let key = (gpu.slot as u8, page as u32, pages as u32);
+    let page = |b: u64| (b / crate::range::GPU_PAGE_SIZE) as u32;
+    let key = (gpu.slot as u8, page(phys - g.bar_start), page(len));
     let bar = Bar1 {
         gpu: key.0,
         page: core::num::NonZeroU32::MIN.saturating_add(key.1),
@@ -503,23 +502,17 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
     let size = g.bar_end - g.bar_start + 1;
     let limit = if pct == 0 { size } else { size / 100 * pct };
     let use_after = g.bar1_used + len;
-    let Ok(node) = node.inspect_err(|_| t.gpus[gpu.slot].bar1_refused += 1) else {
-        return Bar1Charged::Refused(Bar1Refusal {
-            gpu: g.id,
-            use_after,
-            limit: 0,
-            size,
-        });
+    let node = match node {
+        Ok(node) if use_after <= limit => node,
+        other => {
+            t.gpus[gpu.slot].bar1_refused += 1;
+            // Without a node (no memory) the run cannot be recorded: refused
+            // too (limit 0).
+            let limit = if other.is_ok() { limit } else { 0 };
+            let gpu = g.id;
+            return Bar1Charged::Refused(Bar1Refusal { gpu, use_after, limit, size });
+        }
     };
-    if use_after > limit {
-        t.gpus[gpu.slot].bar1_refused += 1;
-        return Bar1Charged::Refused(Bar1Refusal {
-            gpu: g.id,
-            use_after,
-            limit,
-            size,
-        });
-    }
     runs.insert(node.into_node(key, 1));
     let g = &mut t.gpus[gpu.slot];
     g.bar1_used = use_after;

@@ -212,12 +212,7 @@ unsafe extern "C" fn acquire<const INV: bool>(
         return 0;
     }
     if registry::draining() {
-        // Not claimed (claiming is pinning): the core returns its own error.
-        let _ = stats::fail!(
-            Cause::Draining,
-            EBUSY,
-            "nvidia_peermem is draining: registration of {addr:#x}+{size:#x} refused"
-        );
+        draining(addr, size);
         return 0;
     }
     let mode = if INV {
@@ -239,6 +234,17 @@ unsafe extern "C" fn acquire<const INV: bool>(
             0
         }
     }
+}
+
+/// A registration refused by a drain: not claimed (claiming is pinning), so
+/// the core returns its own error; said and counted.
+#[cold]
+fn draining(addr: c_ulong, size: usize) {
+    let _ = stats::fail!(
+        Cause::Draining,
+        EBUSY,
+        "nvidia_peermem is draining: registration of {addr:#x}+{size:#x} refused"
+    );
 }
 
 /// `get_pages`: see [`Registration::get_pages`].

@@ -50,23 +50,7 @@ impl Registration {
             ));
         }
         let mut g = self.enter();
-        // Under the lock: a drain that set its flag meanwhile finds this
-        // registration bound (and revokes it) or it finds the flag.
-        if registry::draining() {
-            return Err(fail!(
-                Cause::Draining,
-                EBUSY,
-                "nvidia_peermem is draining: registration refused"
-            ));
-        }
-        if let Some(e) = g.pin_error {
-            return Err(fail!(
-                Cause::Pin,
-                e,
-                "the GPU driver could not pin {}",
-                Span(self.range())
-            ));
-        }
+        self.may_bind(&g)?;
         let checked = match g.lc.pinned_table() {
             // SAFETY: Pinned, so the table is ours. A free callback must take
             // this lock to revoke, and the provider frees the table only after
@@ -85,6 +69,28 @@ impl Registration {
                     "unsupported NVIDIA page table: {m:?}"
                 ))
             }
+        }
+    }
+
+    /// Whether `get_pages` may bind: no drain, and the pin made. Under the
+    /// lock (`g`): a drain that set its flag meanwhile finds this
+    /// registration bound (and revokes it), or this finds the flag.
+    fn may_bind(&self, g: &Entered<'_>) -> Result {
+        if registry::draining() {
+            return Err(fail!(
+                Cause::Draining,
+                EBUSY,
+                "nvidia_peermem is draining: registration refused"
+            ));
+        }
+        match g.pin_error {
+            Some(e) => Err(fail!(
+                Cause::Pin,
+                e,
+                "the GPU driver could not pin {}",
+                Span(self.range())
+            )),
+            None => Ok(()),
         }
     }
 

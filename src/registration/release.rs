@@ -8,7 +8,10 @@ use kernel::{
     sync::atomic::Relaxed, //
 };
 
+use core::num::NonZeroU32;
+
 use super::{
+    Entered,
     Mode,
     Registration,
     Span, //
@@ -42,19 +45,7 @@ impl Registration {
         let ids = (self.mode == Mode::Invalidating).then(compat::current_ids);
         let (r, charge, owner) = {
             let mut g = self.enter();
-            let mut tgid = 0;
-            if let Some((me, t)) = ids {
-                while g.in_core.is_some_and(|t| t != me) {
-                    self.wait(&mut g);
-                }
-                // Released from inside our own call of the core's invalidate
-                // (a drain's, on OFED 4.x): never unpinned there, as a free
-                // callback holding the GPU driver's lock may be waiting for
-                // that call; the pin is left to the callback (orphaned).
-                if g.in_core.is_none() {
-                    tgid = t;
-                }
-            }
+            let tgid = ids.map_or(0, |ids| self.unpinner(&mut g, ids));
             self.holds_map.store(0, Relaxed);
             let owner = g.lc.owner().unwrap_or(0);
             let r = g.lc.release(tgid);
@@ -79,6 +70,23 @@ impl Registration {
             None => (),
         }
         STATS.releases.add(1, Relaxed);
+    }
+
+    /// Waits until no other thread's call into the core's invalidate for
+    /// this registration runs; returns the process that may unpin: the
+    /// caller's (`ids`), or none (0) for a release from inside our own call
+    /// of the core's invalidate (a drain's, on OFED 4.x), which never
+    /// unpins there: a free callback holding the GPU driver's lock may be
+    /// waiting for that call. Its pin is left to the callback (orphaned).
+    fn unpinner(&self, g: &mut Entered<'_>, (me, tgid): (NonZeroU32, u32)) -> u32 {
+        while g.in_core.is_some_and(|t| t != me) {
+            self.wait(g);
+        }
+        if g.in_core.is_none() {
+            tgid
+        } else {
+            0
+        }
     }
 
     /// Unpins a non-persistent pin at the provider and settles the

@@ -10,6 +10,7 @@ use kernel::{
 
 use super::{
     refs,
+    Entered,
     Mode,
     RegRef,
     Registration,
@@ -66,18 +67,7 @@ impl Registration {
                 // The calling thread, compared only.
                 g.in_core = Some(compat::current_ids().0);
             }
-            // A `dma_map` still reads the table: the provider frees it as
-            // soon as we return, so wait (it takes no lock of the provider's
-            // and sees the revoke when it finishes).
-            while g.mapper {
-                self.wait(&mut g);
-            }
-            // A drain is inside the core's invalidate for this registration:
-            // the device's access ends only once that returned, and the
-            // provider frees the memory as soon as we return.
-            while action == Invalidate::Quiet && g.in_core.is_some() {
-                self.wait(&mut g);
-            }
+            self.wait_for_users(&mut g, action);
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
             let charges = if ended {
                 (g.charge.take(), g.bar1.take())
@@ -96,6 +86,17 @@ impl Registration {
             b.release(self.range().len);
         }
         self.revoked(action);
+    }
+
+    /// Waits, in the free callback, for what still uses the pages the
+    /// provider frees as soon as the callback returns: a `dma_map` reading
+    /// the table (it takes no lock of the provider's and sees the revoke
+    /// when it finishes), and a drain inside the core's invalidate for this
+    /// registration (the device's access ends only once that returned).
+    fn wait_for_users(&self, g: &mut Entered<'_>, action: Invalidate) {
+        while g.mapper || (action == Invalidate::Quiet && g.in_core.is_some()) {
+            self.wait(g);
+        }
     }
 
     /// Does what the free callback must after the lifecycle decided.
