@@ -78,6 +78,20 @@ struct ib_umem_peer {
 	unsigned int first_dma_length, first_length, last_dma_length, last_length;
 };
 
+/*
+ * Lockdep classes of mapping_lock: one per kind of umem. A non-invalidating
+ * (persistent) umem's mapping_lock is held while the client waits for the
+ * GPU driver's lock (get_pages, dma_map); no free callback ever takes it (it
+ * has no core_context to be found by). An invalidating umem's is taken by
+ * the free callback, under the GPU driver's lock; held by us while a client
+ * waits for that lock it is a real ABBA, and stays reported. With one class
+ * lockdep would join the two across unrelated umems (a persistent run, then
+ * an invalidating one in the same boot) and report an inversion that cannot
+ * happen.
+ */
+static struct lock_class_key mapping_lock_inval_key;
+static struct lock_class_key mapping_lock_persist_key;
+
 static LIST_HEAD(peer_clients);
 static DEFINE_MUTEX(peer_memory_mutex);
 
@@ -318,6 +332,8 @@ struct ib_umem *ib_peer_umem_get(struct ib_umem *old, struct device *dma_device,
 	old = NULL;
 	kref_init(&p->kref);
 	mutex_init(&p->mapping_lock);
+	lockdep_set_class(&p->mapping_lock, c->invalidation_required ?
+			  &mapping_lock_inval_key : &mapping_lock_persist_key);
 	p->client = p->owner = c;
 	p->ctx = ctx;
 	p->dma_device = dma_device;

@@ -35,6 +35,11 @@ PAT=$(md5sum </tmp/p16 | cut -d' ' -f1)	# of 64 KiB of the payload
 
 EDU=$(for d in /sys/bus/pci/devices/*; do
 	[ "$(cat "$d/vendor"):$(cat "$d/device")" = "0x1234:0x11e8" ] && basename "$d"; done | head -n1)
+# A tree without the UDP tunnel code (the debug tree) has it as modules
+# from scripts/build-verbs; the stock kernel's own are loaded by init.
+for m in udp_tunnel ip6_udp_tunnel; do
+	[ ! -f /lib/verbs/$m.ko ] || insmod /lib/verbs/$m.ko || fail "load/$m: insmod failed"
+done
 for m in ib_core ib_uverbs_support ib_uverbs; do
 	insmod /lib/verbs/$m.ko || fail "load/$m: insmod failed"
 done
@@ -237,6 +242,32 @@ else
 fi
 
 for mode in $MODES; do run_mode "$mode"; done
+
+# NVIDIA's C nvidia-peermem on the same stack (informational: its lines are
+# VERBS-REFERENCE, not counted): one ib_write_bw pair on GPU memory, the
+# bytes checked the same way.
+if [ -n "${REFERENCE:-}" ]; then
+	if insmod "$REFERENCE"; then
+		mr0=$(cnt $R/peer_mrs)
+		bw ib_write_bw -n 100 -- -n 100 --payload_file_path=/tmp/payload.txt
+		sed -n '/#bytes/,$p' /tmp/cli.out | sed 's/^/VERBS-REFERENCE ib_write_bw client| /'
+		echo "VERBS-REFERENCE ib_write_bw: rc server $SRV_RC client $CLI_RC, MRs $(($(cnt $R/peer_mrs) - mr0)), result:$(bwline /tmp/cli.out)"
+		check_bytes reference/ib_write_bw 1 2>&1 | sed 's/^E2E \(ok\|FAIL\) verbs\//VERBS-REFERENCE \1 /'
+		# check_bytes recorded its line in the counted results: take it out.
+		grep -v 'verbs/reference/' $RES >$RES.tmp
+		mv $RES.tmp $RES
+		rmmod nvidia_peermem || echo "VERBS-REFERENCE rmmod failed"
+	else
+		echo "VERBS-REFERENCE insmod $REFERENCE failed"
+	fi
+fi
+
+# The debug kernel: leaks reported by kmemleak fail the boot (qemu-run).
+if [ -e /sys/kernel/debug/kmemleak ]; then
+	echo scan >/sys/kernel/debug/kmemleak; sleep 6; echo scan >/sys/kernel/debug/kmemleak
+	cat /sys/kernel/debug/kmemleak
+	echo "kmemleak: scan done"
+fi
 
 p=$(grep -c '^E2E ok' $RES)
 f=$(grep -c '^E2E FAIL' $RES)
