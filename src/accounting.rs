@@ -510,7 +510,12 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
             // too (limit 0).
             let limit = if other.is_ok() { limit } else { 0 };
             let gpu = g.id;
-            return Bar1Charged::Refused(Bar1Refusal { gpu, use_after, limit, size });
+            return Bar1Charged::Refused(Bar1Refusal {
+                gpu,
+                use_after,
+                limit,
+                size,
+            });
         }
     };
     runs.insert(node.into_node(key, 1));

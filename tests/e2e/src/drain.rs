@@ -188,7 +188,10 @@ fn traffic(ctx: &mut Ctx) -> Result<String, String> {
     let gpus = ctx.gpu().info().gpus;
     for gpu in std::iter::once(0).chain(0..gpus) {
         let a = ctx.gpu().alloc(gpu, 1 << 16).map_err(errno_name)?;
-        let h = ctx.core.reg(a.va, 1 << 16, PMC_REG_INVAL_SUPP).map_err(errno_name)?;
+        let h = ctx
+            .core
+            .reg(a.va, 1 << 16, PMC_REG_INVAL_SUPP)
+            .map_err(errno_name)?;
         ctx.core.dereg(h).map_err(errno_name)?;
     }
     let mut out = Vec::new();
