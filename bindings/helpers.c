@@ -429,9 +429,15 @@ unsigned long peermem_registry_del(struct list_head *node)
 	return left;
 }
 
+/* Under the lock: an object put on the list before it is counted. */
 unsigned long peermem_registry_live(void)
 {
-	return READ_ONCE(peermem_regs_live);
+	unsigned long n;
+
+	spin_lock(&peermem_regs_lock);
+	n = peermem_regs_live;
+	spin_unlock(&peermem_regs_lock);
+	return n;
 }
 
 void peermem_registry_walk(void (*visit)(struct list_head *node, void *arg), void *arg)

@@ -178,7 +178,7 @@ pub(crate) enum Unpinned {
 /// | Bound, Mapping              | yes   | the pin's | yes     | –     |
 /// | Mapped                      | yes   | the pin's | yes     | yes   |
 /// | Revoked                     | –     | –         | –       | maybe |
-/// | Drained                     | yes   | yes       | –       | maybe |
+/// | Drained                     | yes   | yes       | yes     | maybe |
 /// | Stranded                    | –     | yes       | –       | –     |
 /// | Orphaned                    | yes   | yes       | –       | –     |
 ///
@@ -258,7 +258,7 @@ impl<R: Resources> Lifecycle<R> {
             Phase::Bound | Phase::Mapping => table && !map,
             Phase::Mapped => table && map,
             Phase::Revoked => !table && !token && !core,
-            Phase::Drained => table && token && !core,
+            Phase::Drained => table && token,
             Phase::Stranded => !table && token && !core && !map,
             Phase::Orphaned => table && token && !core && !map,
         }
@@ -394,9 +394,11 @@ impl<R: Resources> Lifecycle<R> {
     pub(crate) fn invalidate(&mut self) -> (Invalidate, Option<R::Table>) {
         let action = match self.phase {
             Phase::Pinning | Phase::Pinned | Phase::Unusable => Invalidate::Quiet,
-            Phase::Bound | Phase::Mapping | Phase::Mapped => Invalidate::NotifyCore(self.core),
-            // The drain told the core already; the pin ends here.
-            Phase::Drained => Invalidate::Quiet,
+            // Drained: the core is told again (it may have had nothing to
+            // revoke yet when the drain told it; a second revoke is a no-op).
+            Phase::Bound | Phase::Mapping | Phase::Mapped | Phase::Drained => {
+                Invalidate::NotifyCore(self.core)
+            }
             // The unpin raced with us: it must not reclaim the token.
             Phase::Unpinning => {
                 self.token = None;
@@ -427,7 +429,7 @@ impl<R: Resources> Lifecycle<R> {
         match self.phase {
             Phase::Bound | Phase::Mapping | Phase::Mapped if self.token.is_some() => {
                 self.phase = Phase::Drained;
-                Some(core::mem::take(&mut self.core))
+                Some(self.core)
             }
             _ => None,
         }

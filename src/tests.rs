@@ -849,8 +849,8 @@ mod lifecycle_tests {
                 Pinning => (Invalidate::Quiet, None, Revoked),
                 Pinned | Unusable => (Invalidate::Quiet, Some(TABLE), Revoked),
                 Bound | Mapping | Mapped => (Invalidate::NotifyCore(CTX), Some(TABLE), Revoked),
-                // The drain told the core: the pin just ends.
-                Drained => (Invalidate::Quiet, Some(TABLE), Revoked),
+                // The core is told again; the pin ends.
+                Drained => (Invalidate::NotifyCore(CTX), Some(TABLE), Revoked),
                 Stranded => (Invalidate::Reaped { orphaned: false }, None, Released),
                 Orphaned => (Invalidate::Reaped { orphaned: true }, Some(TABLE), Released),
                 p => (Invalidate::Quiet, None, p),

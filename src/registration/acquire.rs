@@ -122,6 +122,7 @@ impl Registration {
                 // see it yet, so no lock is needed to move it there).
                 let lc = (Lifecycle::pinning(), None, None);
                 let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
+                registry::admit()?;
                 reg.pin_invalidating(&reg)?;
                 reg
             }
@@ -130,7 +131,13 @@ impl Registration {
             // recorded without a lock.
             Mode::Persistent => {
                 let lc = Self::pin_persistent(&range)?;
-                registry::add(spare.init(object(mode, range.start, granules, live, lc)))
+                let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
+                if let Err(e) = registry::admit() {
+                    // Unpinned as the core's release would.
+                    reg.release();
+                    return Err(e);
+                }
+                reg
             }
         };
         // The core holds it from now until `release`; counted by the caller

@@ -37,6 +37,16 @@ pub(crate) fn set_draining(on: bool) {
     DRAINING.store(u32::from(on), Relaxed);
 }
 
+/// `Err(EBUSY)` while a drain is requested. Checked again once a new
+/// registration is on the registry: a drain that completes (counts none
+/// under the registry's lock) before it was added set its flag before.
+pub(crate) fn admit() -> Result {
+    if draining() {
+        return Err(EBUSY);
+    }
+    Ok(())
+}
+
 /// How many registration objects live.
 pub(crate) fn live_count() -> usize {
     ffi::peermem_registry_live() as usize

@@ -63,10 +63,6 @@ impl Registration {
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
             let (action, table) = g.lc.invalidate();
-            if let Invalidate::NotifyCore(_) = action {
-                // The calling thread, compared only.
-                g.in_core = Some(compat::current_ids().0);
-            }
             self.wait_for_users(&mut g, action);
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
             let charges = if ended {
@@ -89,12 +85,21 @@ impl Registration {
     }
 
     /// Waits, in the free callback, for what still uses the pages the
-    /// provider frees as soon as the callback returns: a `dma_map` reading
-    /// the table (it takes no lock of the provider's and sees the revoke
-    /// when it finishes), and a drain inside the core's invalidate for this
-    /// registration (the device's access ends only once that returned).
+    /// provider frees as soon as the callback returns: a drain inside the
+    /// core's invalidate for this registration (the only other thread that
+    /// can be: one callback per pin), then, marked as inside the core
+    /// itself when it is to notify it, a `dma_map` reading the table (it
+    /// takes no lock of the provider's and sees the revoke when it
+    /// finishes).
     fn wait_for_users(&self, g: &mut Entered<'_>, action: Invalidate) {
-        while g.mapper || (action == Invalidate::Quiet && g.in_core.is_some()) {
+        while g.in_core.is_some() {
+            self.wait(g);
+        }
+        if let Invalidate::NotifyCore(_) = action {
+            // The calling thread, compared only.
+            g.in_core = Some(compat::current_ids().0);
+        }
+        while g.mapper {
             self.wait(g);
         }
     }
