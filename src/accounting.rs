@@ -499,30 +499,42 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
         *pins += 1;
         return Bar1Charged::Yes(bar);
     }
-    let size = g.bar_end - g.bar_start + 1;
-    let limit = if pct == 0 { size } else { size / 100 * pct };
-    let use_after = g.bar1_used + len;
-    let node = match node {
-        Ok(node) if use_after <= limit => node,
-        other => {
-            t.gpus[gpu.slot].bar1_refused += 1;
-            // Without a node (no memory) the run cannot be recorded: refused
-            // too (limit 0).
-            let limit = if other.is_ok() { limit } else { 0 };
-            let gpu = g.id;
-            return Bar1Charged::Refused(Bar1Refusal {
+    if let Err(r) = t.gpus[gpu.slot].bar1_add(len, pct, node.is_ok()) {
+        return Bar1Charged::Refused(r);
+    }
+    if let Ok(node) = node {
+        runs.insert(node.into_node(key, 1));
+    }
+    Bar1Charged::Yes(bar)
+}
+
+impl GpuRec {
+    /// Adds a new run of `len` bytes to the GPU's BAR1 use, unless that
+    /// passes `pct` percent of its BAR (0: no limit), or the run cannot be
+    /// recorded (`recordable` false: no memory for its node; refused with
+    /// limit 0). A refusal is counted.
+    fn bar1_add(&mut self, len: u64, pct: u64, recordable: bool) -> Result<(), Bar1Refusal> {
+        let size = self.bar_end - self.bar_start + 1;
+        let limit = match (recordable, pct) {
+            (false, _) => 0,
+            (true, 0) => size,
+            (true, p) => size / 100 * p,
+        };
+        let use_after = self.bar1_used + len;
+        if use_after > limit {
+            self.bar1_refused += 1;
+            let gpu = self.id;
+            return Err(Bar1Refusal {
                 gpu,
                 use_after,
                 limit,
                 size,
             });
         }
-    };
-    runs.insert(node.into_node(key, 1));
-    let g = &mut t.gpus[gpu.slot];
-    g.bar1_used = use_after;
-    g.bar1_max = g.bar1_max.max(use_after);
-    Bar1Charged::Yes(bar)
+        self.bar1_used = use_after;
+        self.bar1_max = self.bar1_max.max(use_after);
+        Ok(())
+    }
 }
 
 impl Bar1 {

@@ -220,7 +220,7 @@ pub(crate) fn drain_core_restart(ctx: &mut Ctx) -> Result<String, String> {
 
 fn core_restart(ctx: &mut Ctx) -> Result<String, String> {
     let before = traffic(ctx)?;
-    let mut lines = drain_with_mrs(ctx)?;
+    let lines = drain_with_mrs(ctx)?;
     ctx.core = Core::placeholder()?;
     ensure!(
         module::rmmod("peer_mem_core")?,
@@ -232,25 +232,7 @@ fn core_restart(ctx: &mut Ctx) -> Result<String, String> {
     let core_ko = std::path::Path::new(&ctx.opts.emu).with_file_name("peer_mem_core.ko");
     module::insmod(&core_ko.to_string_lossy(), &[&variant])?;
     ctx.core = Core::open()?;
-    ensure!(
-        read(WAITING) == "nothing",
-        "after the core came back: waiting_for {}",
-        read(WAITING)
-    );
-    ensure!(
-        read(DRAIN) == "0",
-        "drain reads {} after the core came back",
-        read(DRAIN)
-    );
-    lines.push(logged(
-        &mark,
-        "drain ended (a module it binds to came back)",
-    )?);
-    let after = traffic(ctx)?;
-    Ok(format!(
-        "before {before}; \"{}\"; after {after}",
-        lines.join("\" \"")
-    ))
+    came_back(ctx, &mark, "the core", before, lines)
 }
 
 /// The same for the GPU driver: unloaded and loaded again under a drained
@@ -261,7 +243,7 @@ pub(crate) fn drain_gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
 
 fn gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
     let before = traffic(ctx)?;
-    let mut lines = drain_with_mrs(ctx)?;
+    let lines = drain_with_mrs(ctx)?;
     let style = read("/sys/kernel/debug/nv_p2p_emu/dma_map_style");
     ctx.gpu = None;
     ensure!(
@@ -272,13 +254,31 @@ fn gpu_restart(ctx: &mut Ctx) -> Result<String, String> {
     module::insmod(&ctx.opts.emu, &[])?;
     module::debugfs_write("/sys/kernel/debug/nv_p2p_emu/dma_map_style", &style)?;
     ctx.gpu = Some(Gpu::open()?);
+    came_back(ctx, &mark, "the GPU driver", before, lines)
+}
+
+/// After `what` was loaded again under the drained module (since `mark`):
+/// the drain ended by itself and the module registered; then traffic.
+/// Returns the scenario's report.
+fn came_back(
+    ctx: &mut Ctx,
+    mark: &LogMark,
+    what: &str,
+    before: String,
+    mut lines: Vec<String>,
+) -> Result<String, String> {
     ensure!(
         read(WAITING) == "nothing",
-        "after the GPU driver came back: waiting_for {}",
+        "after {what} came back: waiting_for {}",
         read(WAITING)
     );
+    ensure!(
+        read(DRAIN) == "0",
+        "drain reads {} after {what} came back",
+        read(DRAIN)
+    );
     lines.push(logged(
-        &mark,
+        mark,
         "drain ended (a module it binds to came back)",
     )?);
     let after = traffic(ctx)?;
