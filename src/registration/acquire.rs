@@ -133,8 +133,9 @@ impl Registration {
                 let lc = Self::pin_persistent(&range)?;
                 let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
                 if let Err(e) = registry::admit() {
-                    // Unpinned as the core's release would.
-                    reg.release();
+                    // Unpinned as the core's release would, uncounted: the
+                    // core never held it (`acquired` does not count it).
+                    reg.undo();
                     return Err(e);
                 }
                 reg

@@ -39,6 +39,13 @@ impl Registration {
     /// caller is that callback (OFED 4.x releases from inside its
     /// invalidate).
     pub(crate) fn release(&self) {
+        self.undo();
+        STATS.releases.add(1, Relaxed);
+    }
+
+    /// [`Registration::release`]'s work, uncounted: also what `acquire`
+    /// undoes when a drain refuses a persistent pin it made.
+    pub(super) fn undo(&self) {
         // No free callback is ever inside the core for a persistent
         // registration, and any process may unpin it: its release needs
         // neither the thread's nor the process's id.
@@ -69,7 +76,6 @@ impl Registration {
             Some(table) => self.unpin(table),
             None => (),
         }
-        STATS.releases.add(1, Relaxed);
     }
 
     /// Waits until no other thread's call into the core's invalidate for

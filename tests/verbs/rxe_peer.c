@@ -10,8 +10,13 @@
  * through those DMA addresses only. Behind a translating IOMMU each address
  * is an IOVA, translated back with the device's domain
  * (iommu_iova_to_phys); without one the DMA address is the bus address
- * (dma_to_phys). The resulting BAR ranges are mapped write-combined, as user
- * space maps them. The invalidation notifier revokes the MR before the
+ * (dma_to_phys). rxe copies through a write-combined CPU mapping of each
+ * PCI BAR it reaches, as user space maps them: made the first time an MR
+ * lies in that BAR and kept until rxe unloads, as an HCA reaches any bus
+ * address without setting anything up per MR (a mapping made and torn
+ * down per MR cost ioremap plus a vunmap's TLB flush on every
+ * registration, paid by both peer clients alike in make bench). Whether an
+ * MR may still be reached is its own state: the invalidation notifier revokes the MR before the
  * client unmaps: from then on every access is refused (the requester or the
  * responder completes with an error) and nothing touches the pages again.
  */
@@ -52,8 +57,17 @@ MODULE_PARM_DESC(peer_refused, "accesses refused because their MR was revoked");
 struct rxe_peer_seg {
 	phys_addr_t phys;
 	u64 len;
-	void __iomem *va;
+	void __iomem *va;	/* in its BAR's mapping */
 };
+
+/* The BARs reached so far, each mapped once until rxe unloads. */
+static struct rxe_peer_bar {
+	phys_addr_t start;
+	resource_size_t len;
+	void __iomem *va;
+} bars[8];
+static unsigned int nbars;
+static DEFINE_MUTEX(bars_lock);
 
 struct rxe_peer_mr {
 	rwlock_t lock;			/* revoked vs. the copies */
@@ -86,6 +100,8 @@ int rxe_peer_init(void)
 
 void rxe_peer_exit(void)
 {
+	while (nbars)
+		iounmap(bars[--nbars].va);
 	put_device(peer_dev);
 	peer_dev = NULL;
 }
@@ -95,18 +111,44 @@ struct device *rxe_peer_dma_device(void)
 	return peer_dev;
 }
 
-static void rxe_peer_unmap(struct rxe_peer_mr *pm)
+/* The BAR of some PCI device holding [phys, phys + len), mapped: its CPU address. */
+static void __iomem *rxe_peer_va(phys_addr_t phys, u64 len)
 {
+	struct pci_dev *pdev = NULL;
+	void __iomem *va = NULL;
 	unsigned int i;
+	int r;
 
-	for (i = 0; i < pm->nsegs; i++) {
-		if (pm->segs[i].va)
-			iounmap(pm->segs[i].va);
-		pm->segs[i].va = NULL;
+	mutex_lock(&bars_lock);
+	for (i = 0; i < nbars; i++)
+		if (phys >= bars[i].start && phys - bars[i].start + len <= bars[i].len) {
+			va = bars[i].va + (phys - bars[i].start);
+			goto out;
+		}
+	for_each_pci_dev(pdev) {
+		for (r = 0; r < PCI_STD_NUM_BARS; r++) {
+			struct resource *res = &pdev->resource[r];
+
+			if (resource_type(res) != IORESOURCE_MEM || phys < res->start ||
+			    phys - res->start + len > resource_size(res))
+				continue;
+			if (nbars < ARRAY_SIZE(bars))
+				bars[nbars].va = ioremap_wc(res->start, resource_size(res));
+			if (nbars < ARRAY_SIZE(bars) && bars[nbars].va) {
+				bars[nbars].start = res->start;
+				bars[nbars].len = resource_size(res);
+				va = bars[nbars++].va + (phys - res->start);
+			}
+			pci_dev_put(pdev);
+			goto out;
+		}
 	}
+out:
+	mutex_unlock(&bars_lock);
+	return va;
 }
 
-/* No access from now on; the mappings go. Sleeps (iounmap). */
+/* No access from now on: a copy holding the lock has finished. */
 static void rxe_peer_revoke(struct rxe_mr *mr)
 {
 	struct rxe_peer_mr *pm = mr->peer;
@@ -115,7 +157,6 @@ static void rxe_peer_revoke(struct rxe_mr *mr)
 	pm->revoked = true;
 	WRITE_ONCE(mr->state, RXE_MR_STATE_INVALID);
 	write_unlock_bh(&pm->lock);
-	rxe_peer_unmap(pm);
 }
 
 /* The core's invalidation notifier: under the umem's mapping_lock. */
@@ -176,9 +217,10 @@ int rxe_mr_init_peer(struct rxe_mr *mr, struct ib_umem *umem)
 		}
 	}
 	for (i = 0; i < pm->nsegs; i++) {
-		pm->segs[i].va = ioremap_wc(pm->segs[i].phys, pm->segs[i].len);
+		pm->segs[i].va = rxe_peer_va(pm->segs[i].phys, pm->segs[i].len);
 		if (!pm->segs[i].va) {
-			rxe_peer_unmap(pm);
+			pr_err("MR: peer memory at %pa is in no PCI BAR rxe can map\n",
+			       &pm->segs[i].phys);
 			kvfree(pm);
 			return -ENOMEM;
 		}
@@ -189,7 +231,7 @@ int rxe_mr_init_peer(struct rxe_mr *mr, struct ib_umem *umem)
 	mr->state = RXE_MR_STATE_VALID;
 	atomic64_inc(&st_peer_mrs);
 	dma0 = sg_dma_address(sgt->sgl);
-	pr_info("MR lkey %#x: %zu bytes of peer memory at %#lx, %u DMA entries (first %pad), %u BAR ranges (first %pa)\n",
+	pr_debug("MR lkey %#x: %zu bytes of peer memory at %#lx, %u DMA entries (first %pad), %u BAR ranges (first %pa)\n",
 		mr->lkey, umem->length, umem->address, sgt->nents, &dma0, pm->nsegs, &pm->segs[0].phys);
 	ib_umem_activate_invalidation_notifier(umem, rxe_peer_invalidate, mr);
 	return 0;
