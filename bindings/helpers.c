@@ -343,12 +343,6 @@ static void peermem_dirs_work_fn(struct work_struct *work)
 }
 static DECLARE_WORK(peermem_dirs_work, peermem_dirs_work_fn);
 
-static void peermem_groups_free(void)
-{
-	for (int k = 0; k < ARRAY_SIZE(peermem_groups); k++)
-		kfree(peermem_groups[k].attrs);
-}
-
 /* The files of each kind, as src/views.rs names them. */
 static int peermem_groups_build(void)
 {
@@ -442,7 +436,8 @@ static void peermem_stats_remove(void)
 	for (int i = 0; i < ARRAY_SIZE(peermem_parents); i++)
 		kobject_put(peermem_parents[i]);
 	kobject_put(peermem_stats);	/* with its groups */
-	peermem_groups_free();
+	for (int k = 0; k < ARRAY_SIZE(peermem_groups); k++)
+		kfree(peermem_groups[k].attrs);
 }
 
 int peermem_views_add(void)

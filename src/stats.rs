@@ -8,10 +8,7 @@
 use core::fmt;
 
 use kernel::{
-    str::{
-        CStr,
-        CStrExt as _, //
-    },
+    str::CStrExt as _,
     sync::atomic::{
         Atomic,
         Relaxed, //
@@ -35,7 +32,7 @@ macro_rules! counters {
                 }
             }
 
-            fn plain(&self) -> impl Iterator<Item = (&'static CStr, &Atomic<u64>)> {
+            fn plain(&self) -> impl Iterator<Item = (&'static kernel::str::CStr, &Atomic<u64>)> {
                 [$((kernel::c_str!(stringify!($name)), &self.$name),)*].into_iter()
             }
         }
@@ -52,7 +49,7 @@ macro_rules! causes {
         }
 
         const CAUSES: usize = [$($name,)*].len();
-        const CAUSE_NAMES: [&CStr; CAUSES] = [$(kernel::c_str!(concat!("fail_", $name)),)*];
+        const CAUSE_NAMES: [&kernel::str::CStr; CAUSES] = [$(kernel::c_str!(concat!("fail_", $name)),)*];
     };
 }
 
@@ -130,7 +127,7 @@ pub(crate) static STATS: Stats = Stats::new();
 impl Stats {
     /// Counter `i`'s name and value: `live_registrations`, the plain
     /// counters, then `fail_<cause>`; `None` past the last.
-    pub(crate) fn counter(&self, i: usize) -> Option<(&'static CStr, u64)> {
+    pub(crate) fn counter(&self, i: usize) -> Option<(&'static kernel::str::CStr, u64)> {
         let Some(j) = i.checked_sub(1) else {
             // Registrations the core holds: acquired and not yet released.
             // Releases are read first, so a concurrent registration never

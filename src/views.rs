@@ -90,10 +90,15 @@ fn show(kind: u32, dir: &str, i: usize, f: &mut dyn Write) -> Result {
 /// `buf` must be valid for writes of a page; `dir` a NUL-terminated string.
 #[no_mangle]
 unsafe extern "C" fn peermem_stat_show(kind: u32, dir: *const u8, i: u32, buf: *mut u8) -> isize {
-    // SAFETY: NUL-terminated, alive during the call (caller).
-    let dir = unsafe { CStr::from_char_ptr(dir) }.to_str().unwrap_or("");
-    // SAFETY: a page, ours to write during the call (caller).
-    let page = unsafe { core::slice::from_raw_parts_mut(buf, bindings::PAGE_SIZE) };
+    // SAFETY: `dir` is NUL-terminated and `buf` a page ours to write, both
+    // during the call (caller).
+    let (dir, page) = unsafe {
+        (
+            CStr::from_char_ptr(dir),
+            core::slice::from_raw_parts_mut(buf, bindings::PAGE_SIZE),
+        )
+    };
+    let dir = dir.to_str().unwrap_or("");
     let mut f = Formatter::new(page);
     match show(kind, dir, i as usize, &mut f) {
         Ok(()) => f.bytes_written() as isize,
