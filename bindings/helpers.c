@@ -3,7 +3,8 @@
  * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
  * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
  * device walks of the topology gate), the module parameters with their sysfs
- * files, the views' sysfs attributes, the PCI bus and module notifiers, the
+ * files, the views' kobjects and attributes in sysfs (one value per file)
+ * and root's processes file in debugfs, the PCI bus and module notifiers, the
  * reads of the GPU driver's params file and of the hypervisor the kernel
  * detected, the drain's registry (a kernel list) and control file, the walk of a module's export table (late binding: a kernel-internal
  * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
@@ -326,13 +327,6 @@ struct peermem_attr {
 	unsigned int kind, i;
 };
 
-static ssize_t peermem_attr_show(struct kobject *kobj, struct kobj_attribute *ka, char *buf)
-{
-	struct peermem_attr *a = container_of(ka, struct peermem_attr, ka);
-
-	return peermem_stat_show(a->kind, kobject_name(kobj), a->i, buf);
-}
-
 static struct attribute_group peermem_groups[4] = { { .name = "counters" } };
 static struct kobject *peermem_stats, *peermem_parents[2];	/* gpus, paths */
 static bool peermem_dirs_on;
@@ -342,6 +336,19 @@ static void peermem_dirs_work_fn(struct work_struct *work)
 	peermem_dirs_sync();
 }
 static DECLARE_WORK(peermem_dirs_work, peermem_dirs_work_fn);
+
+/*
+ * A read of a counter returns once the directories follow the records added
+ * or freed before it: what reads the counters first lists them as they are.
+ */
+static ssize_t peermem_attr_show(struct kobject *kobj, struct kobj_attribute *ka, char *buf)
+{
+	struct peermem_attr *a = container_of(ka, struct peermem_attr, ka);
+
+	if (a->kind == 0)
+		flush_work(&peermem_dirs_work);
+	return peermem_stat_show(a->kind, kobject_name(kobj), a->i, buf);
+}
 
 /* The files of each kind, as src/views.rs names them. */
 static int peermem_groups_build(void)
@@ -362,7 +369,11 @@ static int peermem_groups_build(void)
 			a[i] = (struct peermem_attr){ .kind = k, .i = i, .ka = {
 				.attr = { .name = peermem_stat_file(k, i), .mode = 0444 },
 				.show = peermem_attr_show } };
-			sysfs_attr_init(&a[i].ka.attr);
+			/* Lockdep: the counters' reads wait for the removal of the others. */
+			if (k < 2)
+				sysfs_attr_init(&a[i].ka.attr);
+			else
+				sysfs_attr_init(&a[i].ka.attr);
 			list[i] = &a[i].ka.attr;
 		}
 		peermem_groups[k].attrs = list;

@@ -37,7 +37,7 @@ use crate::{
 };
 
 pub(crate) use crate::params::PAIRS;
-pub(crate) const GPUS: usize = 32;
+const GPUS: usize = 32;
 /// How the peer's DMA is translated by an IOMMU.
 pub(crate) const IOMMU_NAMES: [&str; 5] = ["none", "identity", "dma", "dma-fq", "other"];
 

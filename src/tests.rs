@@ -1501,6 +1501,21 @@ mod abi_tests {
         Ok(())
     }
 
+    /// A GPU's or pair's directory is named by its PCI addresses as `Bdf`
+    /// writes them; a read finds its record by parsing them back.
+    #[test]
+    fn directory_names_parse_back() -> Result {
+        for v in [0x0001_8203, 0x00ff_ff07, (0x3a << 8) | (0x1f << 3) | 2] {
+            let s = CString::try_from_fmt(core::format_args!("{}", Bdf(v)))?;
+            let s = core::str::from_utf8(s.to_bytes()).map_err(|_| EINVAL)?;
+            assert_eq!(crate::views::parse_bdf(s), Ok(v));
+        }
+        for bad in ["-", "", "0000:00:03", "0000:xx:03.0", "stats"] {
+            assert_eq!(crate::views::parse_bdf(bad), Err(ENODEV));
+        }
+        Ok(())
+    }
+
     /// Refusal lines name the errno as the kernel does, whatever
     /// `CONFIG_SYMBOLIC_ERRNAME` says; ENOTSUPP (kernel-internal) is named
     /// too, and an errno without a name is one word.

@@ -59,12 +59,10 @@ extern "C" fn peermem_stat_file(kind: u32, i: u32) -> *const u8 {
 }
 
 /// A PCI address as [`Bdf`] writes it.
-fn parse_bdf(s: &str) -> Option<u32> {
-    let (dom, rest) = s.split_once(':')?;
-    let (bus, rest) = rest.split_once(':')?;
-    let (dev, func) = rest.split_once('.')?;
-    let h = |x| u32::from_str_radix(x, 16).ok();
-    Some(h(dom)? << 16 | h(bus)? << 8 | h(dev)? << 3 | h(func)?)
+pub(crate) fn parse_bdf(s: &str) -> Result<u32> {
+    let mut parts = s.split([':', '.']).map(|x| u32::from_str_radix(x, 16));
+    let mut next = || parts.next().and_then(|p| p.ok()).ok_or(ENODEV);
+    Ok(next()? << 16 | next()? << 8 | next()? << 3 | next()?)
 }
 
 /// Writes file `i` of kind `kind` in the directory `dir` into `f`.
@@ -72,11 +70,10 @@ fn show(kind: u32, dir: &str, i: usize, f: &mut dyn Write) -> Result {
     match kind {
         COUNTER => writeln!(f, "{}", STATS.counter(i).ok_or(EINVAL)?.1).map_err(|_| EINVAL),
         WAITING => writeln!(f, "{}", crate::binding::waiting()).map_err(|_| EINVAL),
-        GPU => accounting::gpu_file(parse_bdf(dir).ok_or(ENODEV)?, i, f),
+        GPU => accounting::gpu_file(parse_bdf(dir)?, i, f),
         _ => {
             let (gpu, peer) = dir.split_once('-').ok_or(ENODEV)?;
-            let (gpu, peer) = (parse_bdf(gpu), parse_bdf(peer));
-            accounting::pair_file(gpu.ok_or(ENODEV)?, peer.ok_or(ENODEV)?, i, f)
+            accounting::pair_file(parse_bdf(gpu)?, parse_bdf(peer)?, i, f)
         }
     }
 }
@@ -189,9 +186,8 @@ unsafe extern "C" fn peermem_processes_list(m: *mut bindings::seq_file) -> i32 {
     // SAFETY: valid during the show (caller).
     let m = unsafe { kernel::seq_file::SeqFile::from_raw(m) };
     let regs = crate::registration::registry::live();
-    let held = match regs.and_then(|r| crate::drain::holders(&r)) {
-        Ok(h) => h,
-        Err(e) => return e.to_errno(),
+    let Ok(held) = regs.and_then(|r| crate::drain::holders(&r)) else {
+        return ENOMEM.to_errno();
     };
     for h in &held {
         m.call_printf(format_args!(
@@ -230,7 +226,7 @@ impl Drop for Views {
         // before their parents. Each removal returns once no read of it
         // runs any more.
         ffi::peermem_dirs_stop();
-        DIRS.lock().clear();
+        *DIRS.lock() = KVec::new();
         ffi::peermem_views_remove();
     }
 }

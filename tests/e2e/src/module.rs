@@ -70,6 +70,8 @@ pub fn view(name: &str) -> Result<String, String> {
     match name {
         "counters" => files(&format!("{STATS}/counters"), " ", "\n"),
         "gpus" | "paths" => {
+            // A counter read first: the directories follow the records.
+            let _ = read(&format!("{STATS}/counters/live_registrations"));
             let mut out = String::new();
             for d in names(&format!("{STATS}/{name}"))? {
                 let head = match d.split_once('-') {
