@@ -3,7 +3,8 @@
  * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
  * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
  * device walks of the topology gate), the module parameters with their sysfs
- * files, the views' sysfs attributes, the PCI bus and module notifiers, the
+ * files, the views' kobjects and attributes in sysfs (one value per file)
+ * and root's processes file in debugfs, the PCI bus and module notifiers, the
  * reads of the GPU driver's params file and of the hypervisor the kernel
  * detected, the drain's registry (a kernel list) and control file, the walk of a module's export table (late binding: a kernel-internal
  * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
@@ -29,6 +30,7 @@
 #include <linux/rcupdate.h>
 #include <linux/refcount.h>
 #include <linux/sched.h>
+#include <linux/seq_file.h>
 #include <linux/slab.h>
 #include <linux/stddef.h>
 #include <linux/sysfs.h>
@@ -92,8 +94,14 @@ void peermem_comm_of(u32 tgid, char *comm);
 int peermem_param(unsigned int which);
 int peermem_views_add(void);
 void peermem_views_remove(void);
-ssize_t peermem_view_read(unsigned int which, uintptr_t reader, char *buf, loff_t off,
-			  size_t count);	/* Rust, src/views.rs */
+void peermem_dirs_kick(void);
+void peermem_dirs_stop(void);
+struct kobject *peermem_dir_add(unsigned int kind, const char *name);
+/* Rust, src/views.rs */
+const char *peermem_stat_file(unsigned int kind, unsigned int i);
+ssize_t peermem_stat_show(unsigned int kind, const char *dir, unsigned int i, char *buf);
+void peermem_dirs_sync(void);
+int peermem_processes_list(struct seq_file *m);
 void peermem_module_live(struct module *mod);	/* Rust, src/binding.rs */
 int peermem_drain_set(bool on);		/* Rust, src/drain.rs */
 bool peermem_drain_requested(void);	/* Rust, src/drain.rs */
@@ -306,40 +314,101 @@ void peermem_unwatch_devices(void)
 }
 
 /*
- * The operator's views, /sys/module/nvidia_peermem/stats/{counters,paths,
- * gpus,processes,waiting_for}: readable where debugfs is not (containers that mount only
- * /sys; debugfs is root's alone). Binary attributes, as a table can exceed a page:
- * a read from the start renders the view for that open file, the following
- * reads copy from that rendering (src/views.rs).
+ * The operator's files, one value each (src/views.rs names them), in
+ * /sys/module/nvidia_peermem/stats/: counters/<name> and waiting_for, and a
+ * directory per GPU (gpus/<gpu>/) and per GPU/peer pair (paths/<gpu>-<peer>/),
+ * made and removed by a work item (src/views.rs, peermem_dirs_sync) as the
+ * records under the tables' spinlock come and go. Kinds: 0 counters,
+ * 1 waiting_for, 2 a GPU's files, 3 a pair's. The kernel crate has no
+ * kobject or sysfs attributes.
  */
-static ssize_t peermem_view(struct file *file, struct kobject *kobj,
-			    const struct bin_attribute *attr, char *buf, loff_t off, size_t count)
+struct peermem_attr {
+	struct kobj_attribute ka;
+	unsigned int kind, i;
+};
+
+static struct attribute_group peermem_groups[4] = { { .name = "counters" } };
+static struct kobject *peermem_stats, *peermem_parents[2];	/* gpus, paths */
+static bool peermem_dirs_on;
+
+static void peermem_dirs_work_fn(struct work_struct *work)
 {
-	return peermem_view_read((unsigned int)(uintptr_t)attr->private, (uintptr_t)file, buf, off, count);
+	peermem_dirs_sync();
+}
+static DECLARE_WORK(peermem_dirs_work, peermem_dirs_work_fn);
+
+/*
+ * A read of a counter returns once the directories follow the records added
+ * or freed before it: what reads the counters first lists them as they are.
+ */
+static ssize_t peermem_attr_show(struct kobject *kobj, struct kobj_attribute *ka, char *buf)
+{
+	struct peermem_attr *a = container_of(ka, struct peermem_attr, ka);
+
+	if (a->kind == 0)
+		flush_work(&peermem_dirs_work);
+	return peermem_stat_show(a->kind, kobject_name(kobj), a->i, buf);
 }
 
-#define PEERMEM_VIEW(_name, _which)						\
-	static const struct bin_attribute peermem_view_##_name = {		\
-		.attr = { .name = #_name, .mode = 0444 },			\
-		.private = (void *)(_which),					\
-		.read = peermem_view,						\
+/* The files of each kind, as src/views.rs names them. */
+static int peermem_groups_build(void)
+{
+	for (unsigned int k = 0; k < ARRAY_SIZE(peermem_groups); k++) {
+		unsigned int n = 0;
+		struct attribute **list;
+		struct peermem_attr *a;
+
+		while (peermem_stat_file(k, n))
+			n++;
+		/* The list, NULL-terminated, then the files. */
+		list = kzalloc((n + 1) * sizeof(*list) + n * sizeof(*a), GFP_KERNEL);
+		if (!list)
+			return -ENOMEM;
+		a = (struct peermem_attr *)(list + n + 1);
+		for (unsigned int i = 0; i < n; i++) {
+			a[i] = (struct peermem_attr){ .kind = k, .i = i, .ka = {
+				.attr = { .name = peermem_stat_file(k, i), .mode = 0444 },
+				.show = peermem_attr_show } };
+			/* Lockdep: the counters' reads wait for the removal of the others. */
+			if (k < 2)
+				sysfs_attr_init(&a[i].ka.attr);
+			else
+				sysfs_attr_init(&a[i].ka.attr);
+			list[i] = &a[i].ka.attr;
+		}
+		peermem_groups[k].attrs = list;
 	}
-/* The order of src/views.rs's `View`. */
-PEERMEM_VIEW(counters, 0);
-PEERMEM_VIEW(paths, 1);
-PEERMEM_VIEW(gpus, 2);
-PEERMEM_VIEW(processes, 3);
-PEERMEM_VIEW(waiting_for, 4);
+	return 0;
+}
 
-static const struct bin_attribute *const peermem_views[] = {
-	&peermem_view_counters, &peermem_view_paths, &peermem_view_gpus,
-	&peermem_view_processes, &peermem_view_waiting_for, NULL,
-};
+void peermem_dirs_kick(void)
+{
+	if (smp_load_acquire(&peermem_dirs_on))
+		queue_work(system_dfl_wq, &peermem_dirs_work);
+}
 
-static const struct attribute_group peermem_views_group = {
-	.name = "stats",
-	.bin_attrs = peermem_views,
-};
+void peermem_dirs_stop(void)
+{
+	disable_work_sync(&peermem_dirs_work);
+}
+
+struct kobject *peermem_dir_add(unsigned int kind, const char *name)
+{
+	struct kobject *k = kobject_create_and_add(name, peermem_parents[kind - 2]);
+
+	if (k && sysfs_create_group(k, &peermem_groups[kind])) {
+		kobject_put(k);
+		k = NULL;
+	}
+	return k;
+}
+
+/* nvidia_peermem/processes in debugfs: root's (0400), readable under lockdown. */
+static int peermem_processes_show(struct seq_file *m, void *v)
+{
+	return peermem_processes_list(m);
+}
+DEFINE_SHOW_ATTRIBUTE(peermem_processes);
 
 /*
  * Tests present the guest as bare metal (1) or a virtual machine (2) to the
@@ -373,26 +442,45 @@ static ssize_t peermem_drain_store(const struct module_attribute *attr, struct m
 static struct module_attribute peermem_drain_attr =
 	__ATTR(drain, 0644, peermem_drain_show, peermem_drain_store);
 
+static void peermem_stats_remove(void)
+{
+	for (int i = 0; i < ARRAY_SIZE(peermem_parents); i++)
+		kobject_put(peermem_parents[i]);
+	kobject_put(peermem_stats);	/* with its groups */
+	for (int k = 0; k < ARRAY_SIZE(peermem_groups); k++)
+		kfree(peermem_groups[k].attrs);
+}
+
 int peermem_views_add(void)
 {
-	int err;
+	struct kobject *mod = &THIS_MODULE->mkobj.kobj;
+	int err = peermem_groups_build();
 
 	peermem_debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
 	debugfs_create_u32("present_vm", 0600, peermem_debugfs, &peermem_present_vm);
-	err = sysfs_create_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
-	if (!err) {
-		err = sysfs_create_file(&THIS_MODULE->mkobj.kobj, &peermem_drain_attr.attr);
-		if (err)
-			sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	debugfs_create_file("processes", 0400, peermem_debugfs, NULL, &peermem_processes_fops);
+	peermem_stats = err ? NULL : kobject_create_and_add("stats", mod);
+	if (peermem_stats) {
+		peermem_parents[0] = kobject_create_and_add("gpus", peermem_stats);
+		peermem_parents[1] = kobject_create_and_add("paths", peermem_stats);
 	}
-	return err;
+	if (!peermem_parents[0] || !peermem_parents[1] ||
+	    sysfs_create_group(peermem_stats, &peermem_groups[0]) ||
+	    sysfs_create_group(peermem_stats, &peermem_groups[1]) ||
+	    sysfs_create_file(mod, &peermem_drain_attr.attr)) {
+		peermem_stats_remove();
+		debugfs_remove_recursive(peermem_debugfs);
+		return err ?: -ENOMEM;
+	}
+	smp_store_release(&peermem_dirs_on, true);
+	return 0;
 }
 
-/* Returns once no read of a view or write of drain runs (kernfs drains them). */
+/* Returns once no read of a file or write of drain runs (kernfs drains them). */
 void peermem_views_remove(void)
 {
 	sysfs_remove_file(&THIS_MODULE->mkobj.kobj, &peermem_drain_attr.attr);
-	sysfs_remove_group(&THIS_MODULE->mkobj.kobj, &peermem_views_group);
+	peermem_stats_remove();
 	debugfs_remove_recursive(peermem_debugfs);
 }
 

@@ -1,15 +1,21 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! What is known and counted per (GPU, peer) pair, per GPU and per process,
-//! shown in sysfs (`stats/paths`, `stats/gpus`, `stats/processes`).
+//! What is known and counted per (GPU, peer) pair and per GPU, shown in
+//! sysfs one value per file (`stats/paths/<gpu>-<peer>/`, `stats/gpus/<gpu>/`,
+//! see `views`).
 //!
 //! Fixed tables of plain records under one kernel spinlock (`TABLES`), held
 //! for a short scan or update: a registration looks up its route and is
 //! charged (from inside its own lock) and released once each. The records
 //! follow the PCI devices: a bus notifier frees the records of a device that
-//! loses its driver (a GPU's once nothing is charged to it any more).
+//! loses its driver (a GPU's once nothing is charged to it any more). The
+//! directories follow the records: adding or freeing one queues their sync
+//! (`ffi::peermem_dirs_kick`; sysfs is not written under the spinlock).
 
-use core::fmt;
+use core::fmt::{
+    self,
+    Write, //
+};
 
 use kernel::{
     prelude::*,
@@ -27,58 +33,33 @@ use crate::{
         Platform,
         Verdict, //
     },
-    stats::{
-        errno_name,
-        Bdf, //
-    },
+    stats::errno_name,
 };
 
 pub(crate) use crate::params::PAIRS;
 const GPUS: usize = 32;
-const PROCS: usize = 256;
-/// A process is counted in one shard of the process table, found by its id.
-const PROCS_PER_SHARD: usize = 16;
-
-/// The errnos a registration can fail with that are counted per pair, each
-/// in a slot of its own; anything else counts in the last slot, `EOTHER`.
-const ERRNOS: [i32; 7] = [14, 12, 95, 22, 5, 1, 16];
-const ERRNO_SLOTS: usize = ERRNOS.len() + 1;
-
-fn slot_name(i: usize) -> &'static str {
-    ERRNOS
-        .get(i)
-        .map_or("EOTHER", |&e| errno_name(Error::from_errno(-e)))
-}
-
-pub(crate) fn errno_slot(errno: i32) -> usize {
-    ERRNOS
-        .iter()
-        .position(|&e| e == errno)
-        .unwrap_or(ERRNOS.len())
-}
-
 /// How the peer's DMA is translated by an IOMMU.
 pub(crate) const IOMMU_NAMES: [&str; 5] = ["none", "identity", "dma", "dma-fq", "other"];
 
 /// One pair; free while `gpu` and `peer` are 0.
 #[derive(Clone, Copy)]
-struct PairRec {
+pub(crate) struct PairRec {
     gpu: u32,
     peer: u32,
     path: Path,
     iommu: u32,
     registrations: u64,
     policy_refusals: u64,
-    failures: [u64; ERRNO_SLOTS],
-    /// Errno slot + 1 of the last failure; 0: none.
-    last_failure: u32,
+    failures: u64,
+    /// The errno of the last failure; 0: none.
+    last_failure: i32,
     /// The driver's refusal was explained in the log.
     refusal_logged: bool,
 }
 
 /// One GPU; free while `bar_start` is 0.
 #[derive(Clone, Copy)]
-struct GpuRec {
+pub(crate) struct GpuRec {
     /// First and last byte of the BAR holding the GPU's pinned pages.
     bar_start: u64,
     bar_end: u64,
@@ -101,19 +82,10 @@ struct GpuRec {
     gate_asked: u32,
     /// The platform observed when the driver could not be asked.
     platform: Platform,
-    /// BAR1 bytes pinned, each run once (`bar1_charge`), their peak, and
-    /// the pins the BAR1 guard refused.
+    /// BAR1 bytes pinned, each run once (`bar1_charge`), and the pins the
+    /// BAR1 guard refused.
     bar1_used: u64,
-    bar1_max: u64,
     bar1_refused: u64,
-}
-
-/// One process with live registrations; free while `live` is 0.
-#[derive(Clone, Copy)]
-struct ProcRec {
-    tgid: u32,
-    live: u32,
-    pinned: u64,
 }
 
 /// The records.
@@ -125,7 +97,6 @@ struct ProcRec {
 struct Tables {
     pairs: [PairRec; PAIRS],
     gpus: [GpuRec; GPUS],
-    procs: [ProcRec; PROCS],
     pair_end: usize,
     gpu_end: usize,
     /// Every GPU's pinned BAR1 runs with their pins (`bar1_charge`).
@@ -147,7 +118,7 @@ const FREE_PAIR: PairRec = PairRec {
     iommu: 0,
     registrations: 0,
     policy_refusals: 0,
-    failures: [0; ERRNO_SLOTS],
+    failures: 0,
     last_failure: 0,
     refusal_logged: false,
 };
@@ -171,14 +142,7 @@ const FREE_GPU: GpuRec = GpuRec {
         flagged_chipset: false,
     },
     bar1_used: 0,
-    bar1_max: 0,
     bar1_refused: 0,
-};
-
-const FREE_PROC: ProcRec = ProcRec {
-    tgid: 0,
-    live: 0,
-    pinned: 0,
 };
 
 global_lock! {
@@ -187,7 +151,6 @@ global_lock! {
     unsafe(uninit) static TABLES: SpinLock<Tables> = Tables {
         pairs: [FREE_PAIR; PAIRS],
         gpus: [FREE_GPU; GPUS],
-        procs: [FREE_PROC; PROCS],
         pair_end: 0,
         gpu_end: 0,
         runs: None,
@@ -287,15 +250,10 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
         id,
         ..FREE_GPU
     };
-    Some(Gpu {
-        slot,
-        id,
-        start,
-        gate: FREE_GPU.gate,
-        gate_err: 0,
-        gate_asked: 0,
-        platform: FREE_GPU.platform,
-    })
+    let gpu = live_gpu(&t, slot);
+    drop(t);
+    crate::ffi::peermem_dirs_kick();
+    gpu
 }
 
 /// Whether `gpu`'s topology verdicts are to be asked now: one is not
@@ -377,6 +335,10 @@ pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(P
     let shares_bridge = slots[slot].path.shares_bridge;
     // INVARIANT: the slot in use is below the end.
     t.pair_end = t.pair_end.max(slot + 1);
+    drop(t);
+    if new {
+        crate::ffi::peermem_dirs_kick();
+    }
     Some((
         Pair {
             slot,
@@ -402,15 +364,16 @@ pub(crate) fn forget_device(id: u32) {
             *g = FREE_GPU;
         }
     }
+    drop(t);
+    crate::ffi::peermem_dirs_kick();
 }
 
 impl Pair {
     /// A registration failed on this pair with `errno` (positive).
     pub(crate) fn failed(&self, errno: i32) {
-        let i = errno_slot(errno);
         let mut t = TABLES.lock();
-        t.pairs[self.slot].failures[i] += 1;
-        t.pairs[self.slot].last_failure = i as u32 + 1;
+        t.pairs[self.slot].failures += 1;
+        t.pairs[self.slot].last_failure = errno;
     }
 
     /// The path policy refused a registration on this pair.
@@ -434,10 +397,8 @@ impl Pair {
 /// subtracts when given the same byte count.
 pub(crate) struct Charge {
     /// The GPU's slot + 1 (an `Option<Charge>` in every registration stays
-    /// 4 bytes).
+    /// 2 bytes).
     gpu: core::num::NonZeroU16,
-    /// The process's slot, or [`NO_PROC`].
-    proc_slot: u16,
 }
 
 /// A pin charged to its GPU's BAR1 use: the GPU's slot and the pin's first
@@ -532,7 +493,6 @@ impl GpuRec {
             });
         }
         self.bar1_used = use_after;
-        self.bar1_max = self.bar1_max.max(use_after);
         Ok(())
     }
 }
@@ -569,28 +529,10 @@ impl Bar1 {
     }
 }
 
-/// No process slot was free: the process is not counted.
-const NO_PROC: u16 = u16::MAX;
-
-/// The slot of process `tgid` in its shard of [`PROCS_PER_SHARD`] slots: the
-/// record that carries its id, else a free one (`None`: the shard is full).
-/// A record keeps its process's id when its count drops to 0, until another
-/// process takes the free slot: a process that registers again finds its
-/// slot at once, and no two records carry one id.
-fn proc_slot(t: &Tables, tgid: u32) -> Option<usize> {
-    let first = tgid as usize % (PROCS / PROCS_PER_SHARD) * PROCS_PER_SHARD;
-    let mut shard = first..first + PROCS_PER_SHARD;
-    shard
-        .clone()
-        .find(|&i| t.procs[i].tgid == tgid)
-        .or_else(|| shard.find(|&i| t.procs[i].live == 0))
-}
-
-/// Counts a mapped registration of `bytes` on `pair` and `gpu`, made by the
-/// process `tgid`; `None` when `gpu`'s record was freed since it was read
-/// (its device unbound, the slot maybe another GPU's now): nothing to count
-/// it on.
-pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Option<Charge> {
+/// Counts a mapped registration of `bytes` on `pair` and `gpu`; `None` when
+/// `gpu`'s record was freed since it was read (its device unbound, the slot
+/// maybe another GPU's now): nothing to count it on.
+pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, bytes: u64) -> Option<Charge> {
     let mut t = TABLES.lock();
     if t.gpus[gpu.slot].bar_start != gpu.start {
         return None;
@@ -602,15 +544,9 @@ pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, tgid: u32, bytes: u64) -> Opt
     g.live += 1;
     g.pinned += bytes;
     g.max_pinned = g.max_pinned.max(g.pinned);
-    let slot = proc_slot(&t, tgid);
-    if let Some(i) = slot {
-        let p = &mut t.procs[i];
-        (p.tgid, p.live, p.pinned) = (tgid, p.live + 1, p.pinned + bytes);
-    }
     // INVARIANT: what `release` subtracts was added here.
     Some(Charge {
         gpu: core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16),
-        proc_slot: slot.map_or(NO_PROC, |i| i as u16),
     })
 }
 
@@ -623,10 +559,6 @@ impl Charge {
         g.pinned -= bytes;
         if g.retired && g.live == 0 && g.bar1_used == 0 {
             *g = FREE_GPU;
-        }
-        if let Some(p) = t.procs.get_mut(usize::from(self.proc_slot)) {
-            p.live -= 1;
-            p.pinned -= bytes;
         }
     }
 }
@@ -683,63 +615,19 @@ impl Drop for Watch {
     }
 }
 
-/// Writes the records of `table` that `used` says are in use, one at a
-/// time, each copied out under the lock (writing may sleep).
-fn show_each<R: Copy, const N: usize>(
-    f: &mut fmt::Formatter<'_>,
-    table: fn(&Tables) -> &[R; N],
-    used: fn(&R) -> bool,
-    mut line: impl FnMut(&mut fmt::Formatter<'_>, &R) -> fmt::Result,
-) -> fmt::Result {
-    for i in 0..N {
-        let r = table(&TABLES.lock())[i];
-        if used(&r) {
-            line(f, &r)?;
-        }
-    }
-    Ok(())
-}
-
-/// The `stats/paths` view.
-pub(crate) fn show_paths(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    show_each(
-        f,
-        |t| &t.pairs,
-        |p| p.gpu != 0 || p.peer != 0,
-        |f, p| {
-            let iommu = IOMMU_NAMES
-                .get(p.iommu as usize)
-                .copied()
-                .unwrap_or("other");
-            write!(
-                f,
-                "gpu={} hca={} class={} acs_redirect={} iommu={iommu} registrations={} failures=",
-                Bdf(p.gpu),
-                Bdf(p.peer),
-                p.path.class.name(),
-                u32::from(p.path.acs_redirect),
-                p.registrations,
-            )?;
-            let mut sep = "";
-            for (i, n) in p.failures.iter().enumerate().filter(|(_, n)| **n > 0) {
-                write!(f, "{sep}{}:{n}", slot_name(i))?;
-                sep = ",";
-            }
-            let last = match p.last_failure {
-                0 => "-",
-                i => slot_name(i as usize - 1),
-            };
-            let none = if sep.is_empty() { "-" } else { "" };
-            writeln!(
-                f,
-                "{none} last_failure={last} policy_refusals={}",
-                p.policy_refusals
-            )
-        },
+/// The records that have a directory in sysfs (`views`), by slot: each
+/// GPU's PCI address, each pair's `gpu << 32 | peer`; 0 where none.
+pub(crate) fn keys() -> ([u64; GPUS], [u64; PAIRS]) {
+    let t = TABLES.lock();
+    let gpu = |g: &GpuRec| u64::from(g.id) * u64::from(g.bar_start != 0 && !g.retired);
+    let pair = |p: &PairRec| u64::from(p.gpu) << 32 | u64::from(p.peer);
+    (
+        core::array::from_fn(|i| gpu(&t.gpus[i])),
+        core::array::from_fn(|i| pair(&t.pairs[i])),
     )
 }
 
-fn verdict_name(v: Verdict) -> &'static str {
+fn verdict(v: Verdict) -> &'static str {
     match v {
         Verdict::Unknown => "unknown",
         Verdict::Open => "open",
@@ -748,47 +636,62 @@ fn verdict_name(v: Verdict) -> &'static str {
     }
 }
 
-/// The `stats/gpus` view.
-pub(crate) fn show_gpus(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    show_each(
-        f,
-        |t| &t.gpus,
-        |g| g.bar_start != 0 && !g.retired,
-        |f, g| {
-            let (near, far) = g.gate;
-            writeln!(
-            f,
-            "gpu={} live={} pinned_bytes={} max_pinned_bytes={} gate_shared_bridge={} gate_other={} bar1_size={} bar1_used={} max_bar1_used={} bar1_refused={}",
-            Bdf(g.id),
-            g.live,
-            g.pinned,
-            g.max_pinned,
-            verdict_name(near),
-            verdict_name(far),
-            g.bar_end - g.bar_start + 1,
-            g.bar1_used,
-            g.bar1_max,
-            g.bar1_refused,
-        )
-        },
-    )
+/// A file of a record's directory: its name, and what writes its value.
+pub(crate) type File<R> = (&'static CStr, fn(&R, &mut dyn Write) -> fmt::Result);
+
+fn w(f: &mut dyn Write, v: impl fmt::Display) -> fmt::Result {
+    writeln!(f, "{v}")
 }
 
-/// The `stats/processes` view. The name is the process's when the file is read;
-/// empty when it has exited (its registrations' pins wait for the GPU
-/// driver's free callback).
-pub(crate) fn show_processes(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    show_each(
-        f,
-        |t| &t.procs,
-        |p| p.live != 0,
-        |f, p| {
-            write!(f, "tgid={} comm=", p.tgid)?;
-            // No spaces: one record per line, fields split by spaces.
-            for c in crate::compat::Comm::of(p.tgid).name().chars() {
-                write!(f, "{}", if c.is_whitespace() { '_' } else { c })?;
-            }
-            writeln!(f, " live={} pinned_bytes={}", p.live, p.pinned)
-        },
-    )
+/// The files of a GPU's directory, `stats/gpus/<gpu>/`.
+pub(crate) const GPU_FILES: [File<GpuRec>; 8] = [
+    (c"live", |g, f| w(f, g.live)),
+    (c"pinned_bytes", |g, f| w(f, g.pinned)),
+    (c"max_pinned_bytes", |g, f| w(f, g.max_pinned)),
+    (c"gate_shared_bridge", |g, f| w(f, verdict(g.gate.0))),
+    (c"gate_other", |g, f| w(f, verdict(g.gate.1))),
+    (c"bar1_size", |g, f| w(f, g.bar_end - g.bar_start + 1)),
+    (c"bar1_used", |g, f| w(f, g.bar1_used)),
+    (c"bar1_refused", |g, f| w(f, g.bar1_refused)),
+];
+
+/// The files of a pair's directory, `stats/paths/<gpu>-<peer>/`.
+pub(crate) const PAIR_FILES: [File<PairRec>; 7] = [
+    (c"class", |p, f| w(f, p.path.class.name())),
+    (c"acs_redirect", |p, f| w(f, u8::from(p.path.acs_redirect))),
+    (c"iommu", |p, f| w(f, IOMMU_NAMES[p.iommu as usize])),
+    (c"registrations", |p, f| w(f, p.registrations)),
+    (c"failures", |p, f| w(f, p.failures)),
+    (c"last_failure", |p, f| match p.last_failure {
+        0 => w(f, "-"),
+        e => w(f, errno_name(Error::from_errno(-e))),
+    }),
+    (c"policy_refusals", |p, f| w(f, p.policy_refusals)),
+];
+
+/// Writes file `i` of `files` of the record `find` finds into `f`; `ENODEV`
+/// once it is gone.
+fn file<R>(
+    files: &[File<R>],
+    i: usize,
+    f: &mut dyn Write,
+    find: impl Fn(&Tables) -> Option<&R>,
+) -> Result {
+    let t = TABLES.lock();
+    let record = find(&t).ok_or(ENODEV)?;
+    (files.get(i).ok_or(EINVAL)?.1)(record, f).map_err(|_| EINVAL)
+}
+
+/// Writes file `i` of the directory of GPU `id` (see [`GPU_FILES`]).
+pub(crate) fn gpu_file(id: u32, i: usize, f: &mut dyn Write) -> Result {
+    let live = |g: &&GpuRec| g.id == id && !g.retired;
+    file(&GPU_FILES, i, f, |t| t.gpus.iter().find(live))
+}
+
+/// Writes file `i` of the directory of the pair (`gpu`, `peer`) (see
+/// [`PAIR_FILES`]).
+pub(crate) fn pair_file(gpu: u32, peer: u32, i: usize, f: &mut dyn Write) -> Result {
+    file(&PAIR_FILES, i, f, |t| {
+        Some(&t.pairs[pair_in(t, gpu, peer)?.0.slot])
+    })
 }

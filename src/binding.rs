@@ -166,10 +166,9 @@ impl kernel::fmt::Display for Missing<'_> {
     }
 }
 
-/// `stats/waiting_for`: one value, `nothing` once the clients registered.
-pub(crate) fn show_waiting(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    let mut g = Guard::lock();
-    writeln!(f, "{}", waiting_for(g.state()))
+/// `stats/waiting_for`: `nothing` once the clients registered.
+pub(crate) fn waiting() -> &'static str {
+    waiting_for(Guard::lock().state())
 }
 
 /// A module's name, for the log.

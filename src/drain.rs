@@ -34,14 +34,14 @@ const NAMED: usize = 16;
 /// What one process holds: persistent registrations, and pins of
 /// invalidating ones (revoked or not), with their bytes.
 #[derive(Clone, Copy, Default)]
-struct Held {
-    tgid: u32,
-    persistent: (u32, u64),
-    pins: (u32, u64),
+pub(crate) struct Held {
+    pub(crate) tgid: u32,
+    pub(crate) persistent: (u32, u64),
+    pub(crate) pins: (u32, u64),
 }
 
 /// The holders of `regs`, by process, in the order first found.
-fn holders(regs: &[RegRef]) -> Result<KVec<Held>> {
+pub(crate) fn holders(regs: &[RegRef]) -> Result<KVec<Held>> {
     let mut out: KVec<Held> = KVec::new();
     for (tgid, mode, bytes) in regs.iter().filter_map(|r| r.holder()) {
         let i = match out.iter().position(|h| h.tgid == tgid) {

@@ -10,6 +10,7 @@ use kernel::{
     bindings::{
         device,
         kmem_cache,
+        kobject,
         list_head,
         module,
         pci_dev,
@@ -147,10 +148,21 @@ unsafe extern "C" {
     /// The value of the module parameter `which` (`params::Param`), -1 for
     /// none.
     pub(crate) safe fn peermem_param(which: c_uint) -> c_int;
-    /// Adds the operator's views in sysfs (`views`). 0 or an errno.
+    /// Adds the operator's files in sysfs and debugfs (`views`), then lets
+    /// [`peermem_dirs_kick`] queue the directories' sync. 0 or an errno.
     pub(crate) safe fn peermem_views_add() -> c_int;
-    /// Removes them; returns once no read of one runs.
+    /// Removes them, after the directories; returns once no read of one
+    /// runs.
     pub(crate) safe fn peermem_views_remove();
+    /// Queues `views::peermem_dirs_sync` (after [`peermem_views_add`] and
+    /// until [`peermem_dirs_stop`]; any context).
+    pub(crate) safe fn peermem_dirs_kick();
+    /// Stops the sync: returns once none runs, and none is queued after.
+    pub(crate) safe fn peermem_dirs_stop();
+    /// A directory named `name` (copied) in `stats/gpus` (kind 2) or
+    /// `stats/paths` (3), with the files of its kind; NULL on failure.
+    /// `kobject_put` removes it.
+    pub(crate) fn peermem_dir_add(kind: c_uint, name: *const c_char) -> *mut kobject;
     /// Takes the lock that serialises `binding`'s offers and state.
     pub(crate) safe fn peermem_bind_lock();
     /// Releases it.

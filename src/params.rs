@@ -27,17 +27,6 @@ pub(crate) enum Param {
 }
 
 impl Param {
-    /// Every parameter with its name, as the stats file lists them.
-    pub(crate) const ALL: [(Param, &'static str); 7] = [
-        (Param::PersistentApiSupport, "persistent_api_support"),
-        (Param::PeerdirectSupport, "peerdirect_support"),
-        (Param::PathPolicy, "path_policy"),
-        (Param::PathAccounting, "path_accounting"),
-        (Param::AllowUnverifiedPaths, "allow_unverified_paths"),
-        (Param::PairTableSlots, "pair_table_slots"),
-        (Param::Bar1LimitPct, "bar1_limit_pct"),
-    ];
-
     /// The parameter's value as loaded.
     pub(crate) fn value(self) -> i32 {
         crate::ffi::peermem_param(self as u32)

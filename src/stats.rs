@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! Exact counters, readable in sysfs (`stats/counters`, see `views`), and the
+//! Exact counters, one file each in sysfs (`stats/counters/<name>`, see
+//! `views`), and the
 //! rate-limited refusal log: one line per refusal, naming the process, the
 //! GPU and the HCA, with the errno in the kernel's words.
 
@@ -31,8 +32,8 @@ macro_rules! counters {
                 }
             }
 
-            fn plain(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
-                [$((stringify!($name), self.$name.load(Relaxed)),)*].into_iter()
+            fn plain(&self) -> impl Iterator<Item = (&'static kernel::str::CStr, &Atomic<u64>)> {
+                [$((kernel::c_str!(stringify!($name)), &self.$name),)*].into_iter()
             }
         }
     };
@@ -48,7 +49,7 @@ macro_rules! causes {
         }
 
         const CAUSES: usize = [$($name,)*].len();
-        const CAUSE_NAMES: [&str; CAUSES] = [$($name,)*];
+        const CAUSE_NAMES: [&kernel::str::CStr; CAUSES] = [$(kernel::c_str!(concat!("fail_", $name)),)*];
     };
 }
 
@@ -124,21 +125,20 @@ counters! {
 pub(crate) static STATS: Stats = Stats::new();
 
 impl Stats {
-    /// Writes every counter as a `name value` line.
-    pub(crate) fn show(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Registrations the core holds: acquired and not yet released.
-        // Releases are read first, so a concurrent registration never makes
-        // this negative.
-        let released = self.releases.load(Relaxed);
-        let live = self.acquired.load(Relaxed).saturating_sub(released);
-        writeln!(f, "live_registrations {live}")?;
-        for (name, v) in self.plain() {
-            writeln!(f, "{name} {v}")?;
-        }
-        for (name, n) in CAUSE_NAMES.iter().zip(&self.failures) {
-            writeln!(f, "fail_{name} {}", n.load(Relaxed))?;
-        }
-        Ok(())
+    /// Counter `i`'s name and value: `live_registrations`, the plain
+    /// counters, then `fail_<cause>`; `None` past the last.
+    pub(crate) fn counter(&self, i: usize) -> Option<(&'static kernel::str::CStr, u64)> {
+        let Some(j) = i.checked_sub(1) else {
+            // Registrations the core holds: acquired and not yet released.
+            // Releases are read first, so a concurrent registration never
+            // makes this negative.
+            let released = self.releases.load(Relaxed);
+            let live = self.acquired.load(Relaxed).saturating_sub(released);
+            return Some((c"live_registrations", live));
+        };
+        let causes = CAUSE_NAMES.into_iter().zip(&self.failures);
+        let (name, n) = Iterator::chain(self.plain(), causes).nth(j)?;
+        Some((name, n.load(Relaxed)))
     }
 }
 

@@ -298,11 +298,10 @@ impl Route {
         }
     }
 
-    /// Counts a mapped registration of `bytes` for the process `tgid` (the
-    /// one that pinned it).
-    pub(crate) fn charge(&self, tgid: u32, bytes: u64) -> Option<Charge> {
+    /// Counts a mapped registration of `bytes`.
+    pub(crate) fn charge(&self, bytes: u64) -> Option<Charge> {
         let gpu = self.gpu.filter(|_| params::accounting())?;
-        accounting::charge(self.pair, gpu, tgid, bytes)
+        accounting::charge(self.pair, gpu, bytes)
     }
 }
 

@@ -1,15 +1,17 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! What the module shows operators, in sysfs under
-//! `/sys/module/nvidia_peermem/stats/`: `counters` (and the parameters),
-//! `paths` (per GPU/peer pair), `gpus`, `processes` and `waiting_for` (one
-//! value: what the module waits for before its clients register). sysfs, not
-//! debugfs:
-//! containers mount `/sys` without debugfs, and debugfs is root's alone
-//! (`/sys/kernel/debug` is mode 0700). The C shim declares the files; a read from the start renders
-//! the view, and the reads that follow in the same open file copy from that
-//! rendering (sysfs hands out at most a page per read: a view rendered
-//! again per read would come out torn when the tables change between).
+//! What the module shows operators, in sysfs, one value per file
+//! (Documentation/filesystems/sysfs.rst), under
+//! `/sys/module/nvidia_peermem/stats/`: `counters/<name>`, `waiting_for`
+//! (what the module waits for before its clients register),
+//! `gpus/<gpu>/<file>` and `paths/<gpu>-<peer>/<file>` (PCI addresses). sysfs,
+//! not debugfs: containers mount `/sys` without debugfs, and debugfs is
+//! root's alone (`/sys/kernel/debug` is mode 0700). Nothing in sysfs names a
+//! process: root reads them in debugfs, `nvidia_peermem/processes` (mode
+//! 0400; a read-only debugfs file stays readable under lockdown).
+//!
+//! The C shim declares the files, named here, and the directories; a work
+//! item makes the directories follow the tables ([`peermem_dirs_sync`]).
 
 use core::fmt::{
     self,
@@ -17,160 +19,201 @@ use core::fmt::{
 };
 
 use kernel::{
+    bindings,
     prelude::*,
+    str::{
+        CString,
+        Formatter, //
+    },
     sync::global_lock, //
 };
 
 use crate::{
-    accounting,
-    binding,
-    ffi,
-    params,
-    stats, //
+    accounting, ffi,
+    stats::{
+        Bdf,
+        STATS, //
+    },
 };
 
-/// The views, in the C shim's order (`PEERMEM_VIEW`).
-const VIEWS: [fn(&mut fmt::Formatter<'_>) -> fmt::Result; 5] = [
-    counters,
-    accounting::show_paths,
-    accounting::show_gpus,
-    accounting::show_processes,
-    binding::show_waiting,
-];
+/// The kinds of files, as the C shim passes them: `stats/counters/<name>`,
+/// `stats/waiting_for`, `stats/gpus/<gpu>/<file>`,
+/// `stats/paths/<gpu>-<peer>/<file>`.
+const COUNTER: u32 = 0;
+const WAITING: u32 = 1;
+const GPU: u32 = 2;
+const PAIR: u32 = 3;
 
-/// `counters`: the counters, and the parameters (also in
-/// /sys/module/nvidia_peermem/parameters/).
-fn counters(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    stats::STATS.show(f)?;
-    params::Param::ALL
-        .iter()
-        .try_for_each(|(p, name)| writeln!(f, "param_{name} {}", p.value()))
+/// The name of file `i` of kind `kind`; NULL past the last (C shim).
+#[no_mangle]
+extern "C" fn peermem_stat_file(kind: u32, i: u32) -> *const u8 {
+    let i = i as usize;
+    let name = match kind {
+        COUNTER => STATS.counter(i).map(|c| c.0),
+        WAITING => (i == 0).then_some(c"waiting_for"),
+        GPU => accounting::GPU_FILES.get(i).map(|f| f.0),
+        PAIR => accounting::PAIR_FILES.get(i).map(|f| f.0),
+        _ => None,
+    };
+    name.map_or(core::ptr::null(), CStr::as_char_ptr)
 }
 
-/// A view as `Display`.
-struct Show(fn(&mut fmt::Formatter<'_>) -> fmt::Result);
-
-impl fmt::Display for Show {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        (self.0)(f)
-    }
+/// A PCI address as [`Bdf`] writes it.
+pub(crate) fn parse_bdf(s: &str) -> Result<u32> {
+    let mut parts = s.split([':', '.']).map(|x| u32::from_str_radix(x, 16));
+    let mut next = || parts.next().and_then(|p| p.ok()).ok_or(ENODEV);
+    Ok(next()? << 16 | next()? << 8 | next()? << 3 | next()?)
 }
 
-/// Text rendered into memory of our own.
-struct Text(KVec<u8>);
-
-impl Write for Text {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        self.0
-            .extend_from_slice(s.as_bytes(), GFP_KERNEL)
-            .map_err(|_| fmt::Error)
-    }
-}
-
-/// A view's rendering for one open file.
-struct Snapshot {
-    /// The open file and the view, or 0 when free.
-    reader: usize,
-    which: usize,
-    text: KVec<u8>,
-}
-
-const NO_SNAPSHOT: Snapshot = Snapshot {
-    reader: 0,
-    which: 0,
-    text: KVec::new(),
-};
-
-/// Files read at once whose renderings are kept; a further one takes the
-/// place of the one read least recently, which then renders anew.
-const READERS: usize = 8;
-
-/// The renderings, the one read least recently first.
-struct Snapshots([Snapshot; READERS]);
-
-global_lock! {
-    // SAFETY: initialised by `Views::new`, at load, before the files exist.
-    unsafe(uninit) static SNAPSHOTS: Mutex<Snapshots> = Snapshots([NO_SNAPSHOT; READERS]);
-}
-
-impl Snapshots {
-    /// The rendering of view `which` for `reader`, made anew when `fresh`
-    /// or none is kept; moved to the end (read most recently).
-    fn of(&mut self, which: usize, reader: usize, fresh: bool) -> Result<&Snapshot> {
-        let kept = self
-            .0
-            .iter()
-            .position(|s| (s.which, s.reader) == (which, reader));
-        let i = kept
-            .or_else(|| self.0.iter().position(|s| s.reader == 0))
-            .unwrap_or(0);
-        self.0[i..].rotate_left(1);
-        let last = &mut self.0[READERS - 1];
-        if fresh || kept.is_none() {
-            let mut text = Text(KVec::new());
-            write!(text, "{}", Show(VIEWS[which])).map_err(|_| ENOMEM)?;
-            *last = Snapshot {
-                reader,
-                which,
-                text: text.0,
-            };
+/// Writes file `i` of kind `kind` in the directory `dir` into `f`.
+fn show(kind: u32, dir: &str, i: usize, f: &mut dyn Write) -> Result {
+    match kind {
+        COUNTER => writeln!(f, "{}", STATS.counter(i).ok_or(EINVAL)?.1).map_err(|_| EINVAL),
+        WAITING => writeln!(f, "{}", crate::binding::waiting()).map_err(|_| EINVAL),
+        GPU => accounting::gpu_file(parse_bdf(dir)?, i, f),
+        _ => {
+            let (gpu, peer) = dir.split_once('-').ok_or(ENODEV)?;
+            accounting::pair_file(parse_bdf(gpu)?, parse_bdf(peer)?, i, f)
         }
-        Ok(last)
     }
 }
 
-/// Copies view `which` from `off` into `buf` for the open file `reader` (C
-/// shim, a sysfs read), from the rendering made for `reader`'s read from
-/// the start (rendered anew if it was not kept); returns the number copied,
-/// 0 past the end.
+/// Shows file `i` of kind `kind` in the directory named `dir` into the page
+/// `buf` (C shim, a sysfs read): its length, or an errno (`ENODEV` once the
+/// directory's record is gone).
 ///
 /// # Safety
 ///
-/// `buf` must be valid for writes of `count` bytes.
+/// `buf` must be valid for writes of a page; `dir` a NUL-terminated string.
 #[no_mangle]
-unsafe extern "C" fn peermem_view_read(
-    which: kernel::ffi::c_uint,
-    reader: usize,
-    buf: *mut u8,
-    off: i64,
-    count: usize,
-) -> isize {
-    let (which, Ok(off)) = (which as usize, usize::try_from(off)) else {
-        return EINVAL.to_errno() as isize;
+unsafe extern "C" fn peermem_stat_show(kind: u32, dir: *const u8, i: u32, buf: *mut u8) -> isize {
+    // SAFETY: `dir` is NUL-terminated and `buf` a page ours to write, both
+    // during the call (caller).
+    let (dir, page) = unsafe {
+        (
+            CStr::from_char_ptr(dir),
+            core::slice::from_raw_parts_mut(buf, bindings::PAGE_SIZE),
+        )
     };
-    if which >= VIEWS.len() {
-        return EINVAL.to_errno() as isize;
+    let dir = dir.to_str().unwrap_or("");
+    let mut f = Formatter::new(page);
+    match show(kind, dir, i as usize, &mut f) {
+        Ok(()) => f.bytes_written() as isize,
+        Err(e) => e.to_errno() as isize,
     }
-    let mut snaps = SNAPSHOTS.lock();
-    let snap = match snaps.of(which, reader, off == 0) {
-        Ok(s) => s,
-        Err(e) => return e.to_errno() as isize,
-    };
-    let bytes = snap.text.get(off..).unwrap_or(&[]);
-    let n = bytes.len().min(count);
-    // SAFETY: `buf` holds `count` bytes (caller), `bytes` at least `n`, and
-    // the two do not overlap (ours is the module's own allocation).
-    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, n) };
-    if n == 0 {
-        // Read to the end: the memory goes.
-        snaps.0[READERS - 1] = NO_SNAPSHOT;
-    }
-    n as isize
 }
 
-/// The files in sysfs, from `new` until dropped.
+/// A directory of `stats/gpus` or `stats/paths`: its kind and its record's
+/// key (see `accounting::keys`, which names it); removed on drop.
 ///
 /// # Invariants
 ///
-/// The shim's attribute group is added from `new` until `drop`.
+/// `kobj` was made by `peermem_dir_add` and is removed only by `drop`.
+struct Dir {
+    key: (u32, u64),
+    kobj: *mut bindings::kobject,
+}
+
+// SAFETY: a directory may be removed from any thread.
+unsafe impl Send for Dir {}
+
+impl Dir {
+    fn new(key: (u32, u64)) -> Option<Self> {
+        let (hi, lo) = (Bdf((key.1 >> 32) as u32), Bdf(key.1 as u32));
+        let name = match key.0 {
+            GPU => CString::try_from_fmt(fmt!("{lo}")),
+            _ => CString::try_from_fmt(fmt!("{hi}-{lo}")),
+        };
+        // SAFETY: a NUL-terminated name, which the callee copies.
+        let kobj = unsafe { ffi::peermem_dir_add(key.0, name.ok()?.as_char_ptr()) };
+        // INVARIANT: made just above.
+        (!kobj.is_null()).then_some(Self { key, kobj })
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        // SAFETY: made by `peermem_dir_add`, removed once, here (invariant).
+        unsafe { bindings::kobject_put(self.kobj) };
+    }
+}
+
+global_lock! {
+    // SAFETY: initialised by `Views::new`, at load, before the work that
+    // syncs the directories can run.
+    unsafe(uninit) static DIRS: Mutex<KVec<Dir>> = KVec::new();
+}
+
+/// Makes the directories follow the tables (C shim, the work queued when a
+/// record was added or freed): stale ones go first (a record freed and
+/// added again may have taken another slot; a name is made once), then one
+/// is made for each record without (left for the next sync if it cannot).
+#[no_mangle]
+extern "C" fn peermem_dirs_sync() {
+    let (gpus, pairs) = accounting::keys();
+    let gpus = gpus.into_iter().map(|k| (GPU, k));
+    let keys = Iterator::chain(gpus, pairs.into_iter().map(|k| (PAIR, k)));
+    let mut dirs = DIRS.lock();
+    dirs.retain(|d| keys.clone().any(|k| k == d.key));
+    for key in keys.filter(|k| k.1 != 0) {
+        if !dirs.iter().any(|d| d.key == key) {
+            // A directory that cannot be kept is removed at once.
+            let _ = Dir::new(key).map(|d| dirs.push(d, GFP_KERNEL));
+        }
+    }
+}
+
+/// A process's name as one word: white space becomes `_`.
+struct Word<'a>(&'a str);
+
+impl fmt::Display for Word<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0
+            .chars()
+            .try_for_each(|c| f.write_char(if c.is_whitespace() { '_' } else { c }))
+    }
+}
+
+/// `nvidia_peermem/processes` in debugfs (C shim, root only): one line per
+/// process holding pins, `tgid=<id> comm=<name> live=<pins>
+/// pinned_bytes=<bytes>`, from the drain's registry.
+///
+/// # Safety
+///
+/// `m` must be the seq_file of the show running.
+#[no_mangle]
+unsafe extern "C" fn peermem_processes_list(m: *mut bindings::seq_file) -> i32 {
+    // SAFETY: valid during the show (caller).
+    let m = unsafe { kernel::seq_file::SeqFile::from_raw(m) };
+    let regs = crate::registration::registry::live();
+    let Ok(held) = regs.and_then(|r| crate::drain::holders(&r)) else {
+        return ENOMEM.to_errno();
+    };
+    for h in &held {
+        m.call_printf(format_args!(
+            "tgid={} comm={} live={} pinned_bytes={}\n",
+            h.tgid,
+            Word(crate::compat::Comm::of(h.tgid).name()),
+            h.persistent.0 + h.pins.0,
+            h.persistent.1 + h.pins.1
+        ));
+    }
+    0
+}
+
+/// The files in sysfs and debugfs, from `new` until dropped.
+///
+/// # Invariants
+///
+/// The shim's files are added from `new` until `drop`.
 pub(crate) struct Views(());
 
 impl Views {
     /// Adds the files; after the tables they show are ready.
     pub(crate) fn new() -> Result<Self> {
-        // SAFETY: called once per load, before the files that read
-        // `SNAPSHOTS` exist.
-        unsafe { SNAPSHOTS.init() };
+        // SAFETY: called once per load, before the work that uses `DIRS`
+        // can be queued (`peermem_views_add` allows it).
+        unsafe { DIRS.init() };
         kernel::error::to_result(ffi::peermem_views_add())?;
         // INVARIANT: added just above.
         Ok(Self(()))
@@ -179,9 +222,11 @@ impl Views {
 
 impl Drop for Views {
     fn drop(&mut self) {
-        // Returns once no read runs any more.
+        // No sync runs or is queued any more; then the directories go,
+        // before their parents. Each removal returns once no read of it
+        // runs any more.
+        ffi::peermem_dirs_stop();
+        *DIRS.lock() = KVec::new();
         ffi::peermem_views_remove();
-        // The statics are not dropped at unload.
-        *SNAPSHOTS.lock() = Snapshots([NO_SNAPSHOT; READERS]);
     }
 }

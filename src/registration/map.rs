@@ -151,8 +151,7 @@ impl Registration {
     fn installed(&self, g: &mut Entered<'_>, route: &Route) {
         self.holds_map.store(1, Relaxed);
         if g.charge.is_none() {
-            let owner = g.lc.owner().unwrap_or(0);
-            g.charge = route.charge(owner, self.range().len);
+            g.charge = route.charge(self.range().len);
         }
     }
 }

@@ -28,8 +28,7 @@ macro_rules! ensure {
 
 /// `key` of the `stats/gpus` line of the GPU whose BAR is `size` bytes.
 fn gpu_stat(size: u64, key: &str) -> Result<u64, String> {
-    let text = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
-        .map_err(|e| format!("stats/gpus: {e}"))?;
+    let text = crate::module::view("gpus")?;
     let line = text
         .lines()
         .find(|l| l.contains(&format!(" bar1_size={size} ")))

@@ -106,7 +106,7 @@ fn steps() -> Result<(), String> {
     say("5. ibv_dereg_mr: nothing left to unpin, nothing touched twice");
     core.dereg(h).map_err(errno)?;
     say("");
-    say("nvidia_peermem statistics (/sys/module/nvidia_peermem/stats/counters):");
+    say("nvidia_peermem statistics (/sys/module/nvidia_peermem/stats/counters/):");
     for (k, v) in module::stats() {
         if v != 0 || k == "live_registrations" || k == "pinned_bytes" {
             say(&format!("   {k:<22} {v}"));

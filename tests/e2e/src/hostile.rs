@@ -984,7 +984,7 @@ fn dma_and_dereg(ctx: &mut Ctx, a: &Alloc, h: u64, off: u64) -> Result<(), Strin
 
 /// What the GPU driver's topology verdicts for GPU 0 read in `gpus`.
 fn gate_of_gpus() -> String {
-    std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
+    module::view("gpus")
         .unwrap_or_default()
         .split_whitespace()
         .filter(|w| w.starts_with("gate_"))
@@ -1107,12 +1107,11 @@ fn topology_explained(ctx: &Ctx, hca: &str, mark: &LogMark) -> Result<(), String
             "expected 2 refusal lines (CQ, MR) naming this process, the GPU and HCA {hca}: {refusals:?}"
         );
     }
-    let paths = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/paths")
-        .map_err(|e| format!("paths: {e}"))?;
+    let paths = module::view("paths")?;
     ensure!(
-        paths
-            .lines()
-            .any(|l| l.contains(&format!("hca={hca}")) && l.contains("EOPNOTSUPP:")),
+        paths.lines().any(|l| l.contains(&format!("hca={hca}"))
+            && l.contains(" last_failure=EOPNOTSUPP ")
+            && !l.contains(" failures=0 ")),
         "the refusal is not counted on the pair: {paths}"
     );
     if ctx.mode.invalidating() {
@@ -1543,8 +1542,7 @@ fn probe_failure_steps(ctx: &mut Ctx) -> Result<String, String> {
 /// after it ends.
 pub fn remap_counts_once(ctx: &mut Ctx) -> Result<String, String> {
     let live = || -> Result<(u64, u64), String> {
-        let t = std::fs::read_to_string("/sys/module/nvidia_peermem/stats/gpus")
-            .map_err(|e| format!("gpus: {e}"))?;
+        let t = module::view("gpus")?;
         let sum = |k: &str| {
             t.split_whitespace()
                 .filter_map(|w| w.strip_prefix(k))
@@ -1599,7 +1597,7 @@ pub fn views_read_whole(ctx: &mut Ctx) -> Result<String, String> {
         ensure!(kid.recv()? == 1, "a child could not register");
         kids.push(kid);
     }
-    let path = "/sys/module/nvidia_peermem/stats/processes";
+    let path = module::PROCESSES;
     // Nothing changes until the first part is read: the snapshot is this.
     let before = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     let mut f = std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?;

@@ -67,16 +67,35 @@ fn locked_down() -> Result<String, String> {
         "lockdown is off: {}",
         lockdown.trim()
     );
-    for view in ["counters", "paths", "gpus", "processes", "waiting_for"] {
-        let f = format!("/sys/module/nvidia_peermem/stats/{view}");
-        let mode = std::fs::metadata(&f).map_err(|e| format!("{f}: {e}"))?;
-        ensure!(
-            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o444 == 0o444,
-            "{f} is not readable by everyone"
-        );
-        std::fs::read_to_string(&f).map_err(|e| format!("{f} under lockdown: {e}"))?;
+    // Every file of the views: readable by everyone under lockdown, one
+    // value each, none about a process.
+    let (mut dirs, mut files) = (vec![crate::module::STATS.to_string()], 0);
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).map_err(|e| format!("{d}: {e}"))? {
+            let f = e
+                .map_err(|e| format!("{d}: {e}"))?
+                .path()
+                .display()
+                .to_string();
+            ensure!(!f.contains("process"), "{f}: processes in sysfs");
+            let meta = std::fs::metadata(&f).map_err(|e| format!("{f}: {e}"))?;
+            if meta.is_dir() {
+                dirs.push(f);
+                continue;
+            }
+            ensure!(
+                std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o444 == 0o444,
+                "{f} is not readable by everyone"
+            );
+            let v = std::fs::read_to_string(&f).map_err(|e| format!("{f} under lockdown: {e}"))?;
+            ensure!(v.lines().count() == 1, "{f}: not one value: {v:?}");
+            files += 1;
+        }
     }
-    Ok(format!("debugfs unmounted, lockdown {}", lockdown.trim()))
+    Ok(format!(
+        "debugfs unmounted, lockdown {}, {files} files",
+        lockdown.trim()
+    ))
 }
 
 /// Runs peermem-stat with `args`; its stdout (exit status 0 required).
@@ -250,6 +269,24 @@ fn check(stat: &str) -> Result<String, String> {
     ))
 }
 
+/// The processes `--by-process --json` lists; `None` where root's debugfs
+/// file is absent (debugfs unmounted), if the tool then says why and names
+/// none.
+fn processes(stat: &str) -> Result<Option<Vec<Value>>, String> {
+    let procs = parse(run(stat, &["--by-process", "--json"])?.trim_end())?;
+    if std::path::Path::new(crate::module::PROCESSES).exists() {
+        let list = procs["processes"].as_array().cloned();
+        return list
+            .map(Some)
+            .ok_or_else(|| format!("--by-process: {procs}"));
+    }
+    ensure!(
+        procs["processes"].is_null() && procs["processes_error"].is_string(),
+        "--by-process without debugfs: {procs}"
+    );
+    Ok(None)
+}
+
 /// `paths`, `--by-gpu`, `--by-process` (JSON) and `--prometheus` against
 /// `live` registrations of 64 KiB made by this process on GPU 0.
 fn check_views(stat: &str, live: u64) -> Result<String, String> {
@@ -271,10 +308,9 @@ fn check_views(stat: &str, live: u64) -> Result<String, String> {
             gpus.iter().all(|g| g["pinned_bytes"].as_u64() == Some(0)),
             "--by-gpu: pinned bytes left {gpus:?}"
         );
-        let procs = parse(run(stat, &["--by-process", "--json"])?.trim_end())?;
         ensure!(
-            procs["processes"].as_array().is_some_and(|p| p.is_empty()),
-            "--by-process: processes left {procs}"
+            processes(stat)?.is_none_or(|p| p.is_empty()),
+            "--by-process: processes left"
         );
         return Ok("nothing left".into());
     };
@@ -297,15 +333,14 @@ fn check_views(stat: &str, live: u64) -> Result<String, String> {
         "paths --json: class {}",
         pair["class"]
     );
-    let procs = parse(run(stat, &["--by-process", "--json"])?.trim_end())?;
-    let mine = procs["processes"]
-        .as_array()
-        .and_then(|p| p.iter().find(|p| p["tgid"].as_u64() == Some(me)));
-    let mine = mine.ok_or_else(|| format!("--by-process has no process {me}: {procs}"))?;
-    ensure!(
-        num(mine, "/live")? == live && num(mine, "/pinned_bytes")? == live * K64,
-        "--by-process: {mine}, expected {live} live"
-    );
+    if let Some(procs) = processes(stat)? {
+        let mine = procs.iter().find(|p| p["tgid"].as_u64() == Some(me));
+        let mine = mine.ok_or_else(|| format!("--by-process has no process {me}: {procs:?}"))?;
+        ensure!(
+            num(mine, "/live")? == live && num(mine, "/pinned_bytes")? == live * K64,
+            "--by-process: {mine}, expected {live} live"
+        );
+    }
     let prom = run(stat, &["--prometheus"])?;
     let want = format!(
         "nvidia_peermem_gpu_live_registrations{{gpu=\"{}\"}} {live}",

@@ -13,10 +13,12 @@ use clap::{
 
 const AFTER_HELP: &str = "\
 Reads /sys/module/nvidia_peermem/{version,refcnt,parameters/*}, the module's
-views /sys/module/nvidia_peermem/stats/{counters,paths,gpus,processes}
-(world-readable: no root, no debugfs; from a peermem-rs older than them,
-/sys/kernel/debug/nvidia_peermem/{stats,paths,gpus,processes}, which need
-debugfs mounted and root; a view whose file is missing says why in one line),
+views, one value per file: /sys/module/nvidia_peermem/stats/{counters/*,
+gpus/*/*,paths/*/*} (world-readable: no root, no debugfs), and as root
+/sys/kernel/debug/nvidia_peermem/processes (debugfs mounted); from earlier
+releases, the tables stats/{counters,paths,gpus,processes}, or in the first
+ones /sys/kernel/debug/nvidia_peermem/{stats,paths,gpus,processes} (debugfs
+mounted, root); a view whose file is missing says why in one line),
 /sys/kernel/mm/memory_peers/*/, /sys/module/nvidia/version, and for doctor
 /dev/kmsg (or --log FILE).
 
@@ -93,7 +95,7 @@ pub enum Command {
     /// host bridges in a NUMA node, SYS across NUMA nodes, - not classified;
     /// marks: +A a bridge redirects peer requests (ACS), +I the HCA's DMA is
     /// IOMMU-translated. Then per pair: registrations, path-policy refusals,
-    /// failures by errno.
+    /// failures and the last one's errno.
     #[command(verbatim_doc_comment)]
     Paths,
     /// Known failure modes found here, one line each with what to do

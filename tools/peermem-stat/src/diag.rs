@@ -1,10 +1,9 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! The module's path diagnostics: the files `paths`, `gpus` and `processes`
-//! of /sys/module/nvidia_peermem/stats/ (of debugfs from a peermem-rs older
-//! than its sysfs views), one `key=value ...` record per line. A malformed
-//! line becomes an error for that line only; a missing file makes its view
-//! unavailable, with the reason.
+//! The module's path diagnostics: `paths`, `gpus` and `processes`, one
+//! `key=value ...` record per line as `sysfs::read_view` reads them (from
+//! any of the module's layouts). A malformed line becomes an error for that
+//! line only; a missing file makes its view unavailable, with the reason.
 
 use serde::{Serialize, Serializer};
 
@@ -27,16 +26,11 @@ pub struct PathRec {
     /// The HCA's DMA goes through IOMMU translation (dma, dma-fq).
     pub iommu_translated: bool,
     pub registrations: u64,
-    /// (errno name, count), in file order.
-    #[serde(serialize_with = "in_order")]
-    pub failures: Vec<(String, u64)>,
+    /// Failed registrations (earlier releases counted them by errno: the
+    /// sum).
+    pub failures: u64,
     pub last_failure: Option<String>,
     pub policy_refusals: u64,
-}
-
-/// (name, count) pairs as one JSON object, in their order.
-fn in_order<S: serde::Serializer>(v: &[(String, u64)], s: S) -> Result<S::Ok, S::Error> {
-    Obj(v.iter().map(|(k, n)| (k, n)).collect()).serialize(s)
 }
 
 impl PathRec {
@@ -242,17 +236,19 @@ fn path_line(l: &Line) -> Result<PathRec, String> {
     };
     let iommu: String = l.get("iommu")?.into();
     let registrations = l.num("registrations")?;
+    // A count, or (earlier releases) `errno:count,...`.
     let failures = match l.opt("failures")? {
-        None => Vec::new(),
+        None => 0,
+        Some(n) if !n.contains(':') => parse_u64(n).map_err(|e| format!("failures: {e}"))?,
         Some(list) => list
             .split(',')
             .map(|p| match p.split_once(':') {
-                Some((name, n)) if !name.is_empty() => parse_u64(n)
-                    .map(|n| (name.to_string(), n))
-                    .map_err(|e| format!("failures: {e}")),
+                Some((name, n)) if !name.is_empty() => {
+                    parse_u64(n).map_err(|e| format!("failures: {e}"))
+                }
                 _ => Err(format!("failures: not errno:count: {:?}", short(p))),
             })
-            .collect::<Result<_, _>>()?,
+            .sum::<Result<_, _>>()?,
     };
     Ok(PathRec {
         gpu,
@@ -360,20 +356,32 @@ mod tests {
         assert_eq!(r.records.len(), 2);
         let a = &r.records[0];
         assert_eq!((a.gpu.as_str(), a.class.as_str()), ("0000:00:03.0", "PHB"));
-        assert_eq!(
-            a.failures,
-            [("EOPNOTSUPP".to_string(), 1), ("ENOMEM".to_string(), 2)]
-        );
+        // Earlier releases' errno histogram: its sum.
+        assert_eq!(a.failures, 3);
         assert_eq!(a.last_failure.as_deref(), Some("EOPNOTSUPP"));
         assert!(a.iommu_translated && !a.acs_redirect);
         let b = &r.records[1];
-        assert!(b.acs_redirect && b.iommu_translated && b.failures.is_empty());
+        assert!(b.acs_redirect && b.iommu_translated && b.failures == 0);
         assert_eq!(b.policy_refusals, 3);
         assert_eq!(r.errors.len(), 5, "{:?}", r.errors);
         assert!(r.errors[0].starts_with("line 4: gpu=0000:00:03.0 hca=0000:00:02.0 repeated"));
         assert!(r.errors[1].contains("acs_redirect"));
         assert!(r.errors[3].contains("no acs_redirect"), "{:?}", r.errors);
         assert!(r.errors[4].starts_with("line 8: not key=value"));
+    }
+
+    /// This release's line (`sysfs::from_files`): sorted fields, a count of
+    /// failures.
+    #[test]
+    fn path_line_of_files() {
+        let r = parse_paths(
+            "gpu=0000:00:03.0 hca=0000:00:02.0 acs_redirect=0 class=PHB failures=4 iommu=dma last_failure=EPERM policy_refusals=4 registrations=2\n",
+        );
+        assert_eq!(r.errors, Vec::<String>::new());
+        let a = &r.records[0];
+        assert_eq!((a.failures, a.policy_refusals, a.registrations), (4, 4, 2));
+        assert_eq!(a.last_failure.as_deref(), Some("EPERM"));
+        assert!(parse_paths("gpu=a hca=b acs_redirect=0 class=PHB failures=x iommu=dma last_failure=- policy_refusals=0 registrations=0\n").records.is_empty());
     }
 
     #[test]

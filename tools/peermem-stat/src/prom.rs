@@ -177,8 +177,9 @@ pub fn prometheus(s: &Snapshot) -> String {
     ] {
         m.add(
             "view_readable",
-            "1 when the module's operator file could be read: /sys/module/nvidia_peermem/stats/<file> \
-             (from a peermem-rs older than its sysfs views, its debugfs file: needs debugfs mounted and root)",
+            "1 when the module's operator view could be read: /sys/module/nvidia_peermem/stats/<file> \
+             (processes: root's debugfs file; from a peermem-rs older than its sysfs views, its debugfs \
+             file: needs debugfs mounted and root)",
             g,
             l(&[("file", file.name)]),
             readable(ok),
@@ -204,7 +205,7 @@ pub fn prometheus(s: &Snapshot) -> String {
     if let Ok(stats) = &s.stats {
         for (name, v) in stats {
             let Ok(v) = v else { continue };
-            let help = known(name).unwrap_or("nvidia_peermem counter (stats/counters)");
+            let help = known(name).unwrap_or("nvidia_peermem counter (stats/counters/<name>)");
             if let Some(cause) = name.strip_prefix("fail_") {
                 m.add(
                     "failures_total",
@@ -281,19 +282,13 @@ pub fn prometheus(s: &Snapshot) -> String {
                 with_class,
                 p.policy_refusals,
             );
-            for (errno, n) in &p.failures {
-                m.add(
-                    "path_failures_total",
-                    "failed registrations over a GPU/HCA pair by errno",
-                    c,
-                    l(&[
-                        ("gpu", p.gpu.as_str()),
-                        ("hca", p.hca.as_str()),
-                        ("errno", errno),
-                    ]),
-                    *n,
-                );
-            }
+            m.add(
+                "path_failures_total",
+                "failed registrations over a GPU/HCA pair",
+                c,
+                l(&[("gpu", p.gpu.as_str()), ("hca", p.hca.as_str())]),
+                p.failures,
+            );
         }
     }
 

@@ -4,6 +4,13 @@
 //! and procfs under a root prefix (a [`crate::snapshot::Snapshot`] puts
 //! them together). Nothing here panics on
 //! what it reads: a bad file becomes an error for its field only.
+//!
+//! The module's views come in three layouts, each read into the same
+//! `key=value` lines (parsed by [`parse_stats`] and `diag`): one value per
+//! file (this release: `stats/counters/<name>`, `stats/gpus/<gpu>/<file>`,
+//! `stats/paths/<gpu>-<hca>/<file>`, the processes in root's debugfs), one
+//! table per sysfs file (`stats/counters`, `stats/gpus`, ...: earlier
+//! releases), one table per debugfs file (the first releases).
 
 use std::{
     fs,
@@ -16,7 +23,8 @@ use crate::detect;
 pub const MODULE_DIR: &str = "/sys/module/nvidia_peermem";
 /// The module's operator views: world-readable files that exist whenever
 /// peermem-rs is loaded (no root, no debugfs; readable under lockdown and in
-/// a container that mounts only /sys).
+/// a container that mounts only /sys). The processes are not among them:
+/// root reads them in debugfs ([`PROCESSES`]).
 pub const VIEWS_DIR: &str = "/sys/module/nvidia_peermem/stats";
 /// Where debugfs is mounted.
 pub const DEBUGFS: &str = "/sys/kernel/debug";
@@ -68,13 +76,19 @@ pub const GPUS: ViewFile = ViewFile {
     missing: "this nvidia_peermem has no path diagnostics",
 };
 
-/// One process with live registrations per line.
+/// One process with live registrations per line (in sysfs before the one
+/// value per file layout; in debugfs, root's, since).
 pub const PROCESSES: ViewFile = ViewFile {
     name: "processes",
     sysfs: "/sys/module/nvidia_peermem/stats/processes",
     debugfs: "/sys/kernel/debug/nvidia_peermem/processes",
     missing: "this nvidia_peermem has no path diagnostics",
 };
+
+/// Why the processes are not shown with the one value per file layout.
+const ROOTS_PROCESSES: &str =
+    "the processes are root's: /sys/kernel/debug/nvidia_peermem/processes \
+     (debugfs mounted, as root)";
 
 /// Where this node's nvidia_peermem keeps its operator files.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,15 +166,60 @@ impl Sys {
 
     /// Sorted (name, is_dir) of a directory's entries.
     fn list(&self, abs: &str) -> io::Result<Vec<(String, bool)>> {
-        let mut v = Vec::new();
-        for e in fs::read_dir(self.path(abs))? {
-            let e = e?;
-            let is_dir = e.path().is_dir();
-            v.push((e.file_name().to_string_lossy().into_owned(), is_dir));
-        }
-        v.sort();
-        Ok(v)
+        list_at(&self.path(abs))
     }
+}
+
+fn list_at(dir: &Path) -> io::Result<Vec<(String, bool)>> {
+    let mut v = Vec::new();
+    for e in fs::read_dir(dir)? {
+        let e = e?;
+        let is_dir = e.path().is_dir();
+        v.push((e.file_name().to_string_lossy().into_owned(), is_dir));
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// A file of a record that went meanwhile (sysfs: ENODEV once the module
+/// forgot it, ENOENT once its directory is gone).
+fn vanished(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(19)
+}
+
+/// The table `f` as the earlier releases' file had it, put together from
+/// the one-value files under `dir`: `counters/<name>` as `name value`
+/// lines; each directory of `gpus/` or `paths/` as a `gpu=<bdf>
+/// [hca=<bdf>] <file>=<value> ...` line (a record gone meanwhile is left
+/// out).
+pub fn from_files(f: &ViewFile, dir: &Path) -> io::Result<String> {
+    let mut out = String::new();
+    'records: for (name, is_dir) in list_at(dir)? {
+        let p = dir.join(&name);
+        if f.name == COUNTERS.name {
+            out += &format!("{name} {}\n", Sys::read(&p)?.trim());
+            continue;
+        }
+        let mut line = match name.split_once('-') {
+            Some((gpu, hca)) if f.name == PATHS.name => format!("gpu={gpu} hca={hca}"),
+            _ => format!("gpu={name}"),
+        };
+        let files = match list_at(&p) {
+            Ok(files) if is_dir => files,
+            Err(e) if !vanished(&e) => return Err(e),
+            _ => continue,
+        };
+        for (file, _) in files {
+            match Sys::read(&p.join(&file)) {
+                Ok(v) => line += &format!(" {file}={}", v.trim()),
+                Err(e) if vanished(&e) => continue 'records,
+                Err(e) => return Err(e),
+            }
+        }
+        out += &line;
+        out.push('\n');
+    }
+    Ok(out)
 }
 
 /// Parses a decimal counter.
@@ -340,25 +399,33 @@ pub fn read_view(sys: &Sys, views: &Views, f: &ViewFile) -> Result<(String, &'st
         Views::Sysfs => (f.sysfs, Some(f.debugfs)),
         Views::Debugfs => (f.debugfs, None),
     };
-    match Sys::read(&sys.path(first)) {
+    let at = sys.path(first);
+    let read = match views == &Views::Sysfs && at.is_dir() {
+        true => from_files(f, &at),
+        false => Sys::read(&at),
+    };
+    match read {
         Ok(text) => return Ok((text, first)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(unreadable(first, &e)),
     }
-    if let Some(p) = fallback {
-        if let Ok(text) = Sys::read(&sys.path(p)) {
-            return Ok((text, p));
-        }
+    // One value per file: the processes are root's, in debugfs.
+    let files = sys.path(COUNTERS.sysfs).is_dir();
+    match fallback.map(|p| (p, Sys::read(&sys.path(p)))) {
+        Some((p, Ok(text))) => Ok((text, p)),
+        Some((p, Err(e))) if files && e.kind() != io::ErrorKind::NotFound => Err(unreadable(p, &e)),
+        _ if files && f == &PROCESSES => Err(ROOTS_PROCESSES.into()),
+        _ => Err(format!("no {first}: {}", f.missing)),
     }
-    Err(format!("no {first}: {}", f.missing))
 }
 
 /// Why an existing file could not be read.
 fn unreadable(path: &str, e: &io::Error) -> String {
     match e.kind() {
-        io::ErrorKind::PermissionDenied if path.starts_with(DEBUGFS) => format!(
-            "{path}: permission denied (debugfs needs root; kernel lockdown may also refuse it)"
-        ),
+        // Lockdown refuses only debugfs files that can be written.
+        io::ErrorKind::PermissionDenied if path.starts_with(DEBUGFS) => {
+            format!("{path}: permission denied (debugfs needs root)")
+        }
         io::ErrorKind::PermissionDenied => format!("{path}: permission denied"),
         _ => format!("{path}: {e}"),
     }

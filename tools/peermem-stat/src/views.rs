@@ -135,8 +135,6 @@ fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
         .records
         .iter()
         .map(|p| {
-            let failures: Vec<String> =
-                p.failures.iter().map(|(e, n)| format!("{e}:{n}")).collect();
             [
                 p.gpu.clone(),
                 p.hca.clone(),
@@ -145,11 +143,7 @@ fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
                 p.iommu.clone(),
                 p.registrations.to_string(),
                 p.policy_refusals.to_string(),
-                if failures.is_empty() {
-                    "-".into()
-                } else {
-                    failures.join(",")
-                },
+                p.failures.to_string(),
                 p.last_failure.clone().unwrap_or_else(|| "-".into()),
             ]
         })
@@ -166,7 +160,7 @@ fn write_paths(o: &mut String, s: &Snapshot) -> std::fmt::Result {
         "last_failure",
     ];
     // Counts right-aligned, words left-aligned.
-    let right = [false, false, false, true, false, true, true, false, false];
+    let right = [false, false, false, true, false, true, true, true, false];
     writeln!(o, "Pairs")?;
     columns(o, &head, &right, &rows)?;
     unreadable(o, r.file, &r.errors)

@@ -119,6 +119,53 @@ impl Tree {
         self
     }
 
+    /// The module's tables turned into this release's layout: a file per
+    /// counter and per field of each GPU and pair (the failures counted,
+    /// no longer by errno), the parameters only in `parameters/`, and the
+    /// processes in root's debugfs file.
+    fn into_files(self) -> Self {
+        let read = |n: &str| fs::read_to_string(self.at(&format!("{VIEWS}/{n}")));
+        let (counters, procs) = (read("counters").unwrap(), read("processes"));
+        let tables = [("paths", read("paths")), ("gpus", read("gpus"))];
+        fs::remove_dir_all(self.at(VIEWS)).unwrap();
+        fs::create_dir_all(self.at(&format!("{VIEWS}/counters"))).unwrap();
+        for (n, v) in counters.lines().filter_map(|l| l.split_once(' ')) {
+            match n.strip_prefix("param_") {
+                Some(p) => self.file(&format!("{MODULE_DIR}/parameters/{p}"), format!("{v}\n")),
+                None => self.file(&format!("{VIEWS}/counters/{n}"), format!("{v}\n")),
+            };
+        }
+        for (view, text) in tables {
+            fs::create_dir_all(self.at(&format!("{VIEWS}/{view}"))).unwrap();
+            for line in text.unwrap_or_default().lines() {
+                let f: Vec<(&str, &str)> = line
+                    .split_whitespace()
+                    .filter_map(|w| w.split_once('='))
+                    .collect();
+                let get = |k: &str| f.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
+                let dir = match get("hca") {
+                    Some(hca) => format!("{}-{hca}", get("gpu").unwrap()),
+                    None => get("gpu").unwrap().to_string(),
+                };
+                for (k, v) in f.iter().filter(|(k, _)| !["gpu", "hca"].contains(k)) {
+                    let v = match *k {
+                        "failures" => v
+                            .split(',')
+                            .filter_map(|e| e.split_once(':')?.1.parse::<u64>().ok())
+                            .sum::<u64>()
+                            .to_string(),
+                        _ => v.to_string(),
+                    };
+                    self.file(&format!("{VIEWS}/{view}/{dir}/{k}"), format!("{v}\n"));
+                }
+            }
+        }
+        if let Ok(p) = procs {
+            self.file(&format!("{OLD}/processes"), p);
+        }
+        self
+    }
+
     /// Debugfs not mounted: its mount point empty, as in a container.
     fn unmount_debugfs(&self) -> &Self {
         fs::remove_dir_all(self.at("/sys/kernel/debug")).unwrap();
@@ -192,6 +239,7 @@ fn det(stack: &str, path: Option<&str>) -> (String, bool, Option<String>) {
 const NV_MEM: &str = "/sys/kernel/mm/memory_peers/nv_mem/version";
 /// The module's operator views (sysfs).
 const VIEWS: &str = "/sys/module/nvidia_peermem/stats";
+const MODULE_DIR: &str = "/sys/module/nvidia_peermem";
 /// Where a peermem-rs older than its sysfs views kept them (debugfs).
 const OLD: &str = "/sys/kernel/debug/nvidia_peermem";
 const NV_MEM_NC: &str = "/sys/kernel/mm/memory_peers/nv_mem_nc/version";
@@ -439,13 +487,22 @@ fn malformed_files_do_not_panic() {
     assert!(out.contains("refcnt ERR"));
 
     // A directory where a file should be, and a file where a directory should be.
-    for (name, counters) in [
-        ("odd", "/sys/module/nvidia_peermem/stats/counters"),
-        ("odd-old", "/sys/kernel/debug/nvidia_peermem/stats"),
+    // (One value per file: a directory where a counter should be.)
+    for (name, counters, made) in [
+        (
+            "odd",
+            "/sys/module/nvidia_peermem/stats/counters",
+            "/sys/module/nvidia_peermem/stats/counters/registrations",
+        ),
+        (
+            "odd-old",
+            "/sys/kernel/debug/nvidia_peermem/stats",
+            "/sys/kernel/debug/nvidia_peermem/stats",
+        ),
     ] {
         let odd = Tree::new(name);
         odd.dir("/sys/module/nvidia_peermem/version")
-            .dir(counters)
+            .dir(made)
             .file("/sys/kernel/mm/memory_peers", "not a dir");
         let v = odd.json();
         assert_eq!(v["module"]["loaded"], true);
@@ -713,7 +770,7 @@ fn paths_matrix_with_every_mark() {
                 "none",
                 "12",
                 "0",
-                "EOPNOTSUPP:1,ENOMEM:2",
+                "3",
                 "EOPNOTSUPP"
             ],
             vec![
@@ -724,7 +781,7 @@ fn paths_matrix_with_every_mark() {
                 "dma",
                 "0",
                 "9",
-                "EREMOTEIO:4",
+                "4",
                 "EREMOTEIO"
             ],
             vec![
@@ -735,7 +792,7 @@ fn paths_matrix_with_every_mark() {
                 "dma-fq",
                 "3",
                 "0",
-                "-",
+                "0",
                 "-"
             ],
             vec![
@@ -746,7 +803,7 @@ fn paths_matrix_with_every_mark() {
                 "identity",
                 "7",
                 "0",
-                "-",
+                "0",
                 "-"
             ],
         ]
@@ -855,7 +912,7 @@ fn views_as_json() {
         serde_json::json!({
             "gpu": "0000:00:03.0", "hca": "0000:00:02.0", "class": "PIX",
             "acs_redirect": false, "iommu": "none", "iommu_translated": false,
-            "registrations": 12, "failures": {"EOPNOTSUPP": 1, "ENOMEM": 2},
+            "registrations": 12, "failures": 3,
             "last_failure": "EOPNOTSUPP", "policy_refusals": 0
         })
     );
@@ -863,7 +920,7 @@ fn views_as_json() {
     assert_eq!(p[1]["iommu_translated"], true);
     assert_eq!(p[1]["policy_refusals"], 9);
     assert_eq!(p[2]["class"], "unknown");
-    assert_eq!(p[2]["failures"], serde_json::json!({}));
+    assert_eq!(p[2]["failures"], 0);
     assert_eq!(p[2]["last_failure"], Value::Null);
 
     let (_, v) = view_json(&t, "--by-gpu");
@@ -1078,20 +1135,11 @@ fn prometheus_exposition() {
     let sys = [pair[0], pair[1], ("class", "SYS")];
     counter("nvidia_peermem_path_registrations_total", &sys, 0.0);
     counter("nvidia_peermem_path_policy_refusals_total", &sys, 9.0);
-    let errno = |e| [pair[0], pair[1], ("errno", e)];
+    counter("nvidia_peermem_path_failures_total", &pair, 4.0);
     counter(
         "nvidia_peermem_path_failures_total",
-        &errno("EREMOTEIO"),
-        4.0,
-    );
-    counter(
-        "nvidia_peermem_path_failures_total",
-        &[
-            ("gpu", "0000:00:03.0"),
-            ("hca", "0000:00:02.0"),
-            ("errno", "ENOMEM"),
-        ],
-        2.0,
+        &[("gpu", "0000:00:03.0"), ("hca", "0000:00:02.0")],
+        3.0,
     );
     gauge(
         "nvidia_peermem_path_info",
@@ -2154,4 +2202,50 @@ fn doctor_bar1_near_the_limit() {
         "gpu=0000:00:05.0 live=3 pinned_bytes=201326592 max_pinned_bytes=201326592\n",
     );
     assert!(!findings(&t, &[]).iter().any(|f| f == "bar1-near-limit"));
+}
+
+/// This release's layout (one value per file, the processes in root's
+/// debugfs) shows what the tables of the earlier one did, in every view.
+#[test]
+fn one_value_per_file_reads_as_the_tables() {
+    let (tables, files) = (with_diag("tables"), with_diag("files").into_files());
+    assert!(files
+        .at(&format!("{VIEWS}/gpus/0000:00:03.0/live"))
+        .is_file());
+    assert!(files
+        .at(&format!("{VIEWS}/paths/0000:00:03.0-0000:00:02.0/failures"))
+        .is_file());
+    for args in [
+        &[][..],
+        &["paths"],
+        &["--by-gpu"],
+        &["--by-process"],
+        &["paths", "--json"],
+        &["--by-gpu", "--json"],
+        &["--by-process", "--json"],
+        &["--prometheus"],
+        &["doctor"],
+    ] {
+        let (a, b) = (tables.run(args), files.run(args));
+        assert_eq!((a.0, &a.2), (b.0, &b.2), "{args:?}");
+        // The same lines; the counters' order is the files' (sorted).
+        let lines = |s: &str| {
+            let s = s.replace(&format!("{VIEWS}/processes"), &format!("{OLD}/processes"));
+            let mut v: Vec<String> = s.lines().map(str::to_string).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(lines(&a.1), lines(&b.1), "{args:?}");
+    }
+    // Without root's debugfs file: the processes alone are unavailable, and
+    // say where they are.
+    files.unmount_debugfs();
+    let (_, out, _) = files.run(&["--by-process"]);
+    assert_eq!(
+        out,
+        "Processes with live registrations: unavailable: the processes are root's: \
+         /sys/kernel/debug/nvidia_peermem/processes (debugfs mounted, as root)\n"
+    );
+    let (code, out, _) = files.run(&["paths"]);
+    assert!(code == 0 && out.contains("0000:00:03.0  PIX"), "{out}");
 }
