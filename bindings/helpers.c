@@ -18,6 +18,7 @@
 #include <linux/fs.h>
 #include <linux/iommu.h>
 #include <linux/kobject.h>
+#include <linux/llist.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/mutex.h>
@@ -48,11 +49,13 @@ int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
 int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma);
 void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len);
-struct workqueue_struct *peermem_wq_alloc(void);
-void peermem_wq_destroy(struct workqueue_struct *wq);
-bool peermem_reap_kick(struct workqueue_struct *wq);
-struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
-void peermem_reap_run(void);	/* Rust, src/registration/revoke.rs */
+int peermem_reg_cache_create(size_t size, size_t align);
+void peermem_reg_cache_destroy(void);
+void *peermem_reg_alloc(void);
+void peermem_reg_free(void *obj);
+void peermem_reap_defer(struct llist_node *node);
+void peermem_reap_flush(void);
+void peermem_reap_one(struct llist_node *node);	/* Rust, src/registration/revoke.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
 void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
@@ -249,33 +252,62 @@ void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
 }
 #endif
 
-/* The module's own queue for work that must finish before it unloads. */
-struct workqueue_struct *peermem_wq_alloc(void)
-{
-	return alloc_workqueue("nvidia_peermem", WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
-}
-
-/* Drains the queue (every queued item has run and returned), then frees it. */
-void peermem_wq_destroy(struct workqueue_struct *wq)
-{
-	destroy_workqueue(wq);
-}
-
 /*
- * The module's one reap work: drops the references that free callbacks
- * handed over (src/registration/revoke.rs). Queued on the module's queue, which the
- * module's exit drains.
+ * The registration objects' cache and the reap list (src/registration/refs.rs).
+ * The cache exists from the module's init, before its clients register, to
+ * its exit, after every object is back: a plain static, set and cleared
+ * where nothing else runs. A free callback that holds a registration's last
+ * reference puts the object on the list instead of dropping it (the drop puts
+ * a module reference, so it must not run in the callback); the work drops
+ * them, and the module's exit flushes it once no callback can run.
  */
+static struct kmem_cache *peermem_reg_cache;
+
+int peermem_reg_cache_create(size_t size, size_t align)
+{
+	peermem_reg_cache = kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);
+	return peermem_reg_cache ? 0 : -ENOMEM;
+}
+
+void peermem_reg_cache_destroy(void)
+{
+	kmem_cache_destroy(peermem_reg_cache);
+	peermem_reg_cache = NULL;
+}
+
+void *peermem_reg_alloc(void)
+{
+	return kmem_cache_alloc(peermem_reg_cache, GFP_KERNEL);
+}
+
+void peermem_reg_free(void *obj)
+{
+	kmem_cache_free(peermem_reg_cache, obj);
+}
+
+static LLIST_HEAD(peermem_reap_list);
+
 static void peermem_reap_fn(struct work_struct *work)
 {
-	peermem_reap_run();
+	struct llist_node *node, *next;
+
+	llist_for_each_safe(node, next, llist_del_all(&peermem_reap_list))
+		peermem_reap_one(node);
 }
 
 static DECLARE_WORK(peermem_reap_work, peermem_reap_fn);
 
-bool peermem_reap_kick(struct workqueue_struct *wq)
+/* The first node on an empty list queues the work; it takes every node. */
+void peermem_reap_defer(struct llist_node *node)
 {
-	return queue_work(wq, &peermem_reap_work);
+	if (llist_add(node, &peermem_reap_list))
+		schedule_work(&peermem_reap_work);
+}
+
+/* Returns once the work neither runs nor is queued. */
+void peermem_reap_flush(void)
+{
+	flush_work(&peermem_reap_work);
 }
 
 /*
@@ -573,12 +605,6 @@ int peermem_watch_modules(void)
 void peermem_unwatch_modules(void)
 {
 	unregister_module_notifier(&peermem_module_nb);
-}
-
-/* The exact-size cache of registration objects (src/registration/refs.rs). */
-struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align)
-{
-	return kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);
 }
 
 static u32 peermem_pci_id(struct pci_dev *pdev)

@@ -9,12 +9,11 @@
 use kernel::{
     bindings::{
         device,
-        kmem_cache,
         list_head,
+        llist_node,
         module,
         pci_dev,
-        refcount_t,
-        workqueue_struct, //
+        refcount_t, //
     },
     ffi::{
         c_char,
@@ -89,15 +88,21 @@ unsafe extern "C" {
     pub(crate) safe fn peermem_watch_devices() -> c_int;
     /// Unregisters it; returns once no notification runs.
     pub(crate) safe fn peermem_unwatch_devices();
-    /// A workqueue of this module, or NULL.
-    pub(crate) safe fn peermem_wq_alloc() -> *mut workqueue_struct;
-    /// Drains and frees a queue from [`peermem_wq_alloc`].
-    pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
-    /// Queues the module's reap work (`reaper::peermem_reap_run`) on `wq`;
-    /// false if it was pending already.
-    pub(crate) fn peermem_reap_kick(wq: *mut workqueue_struct) -> bool;
-    /// A slab cache for objects of `size` bytes aligned to `align`, or NULL.
-    pub(crate) safe fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
+    /// Creates the module's cache of objects of `size` bytes aligned to
+    /// `align`. 0 or -ENOMEM.
+    pub(crate) safe fn peermem_reg_cache_create(size: usize, align: usize) -> c_int;
+    /// Destroys it; every object must be back.
+    pub(crate) fn peermem_reg_cache_destroy();
+    /// An object of the module's cache (which exists while the core can
+    /// call us), or NULL.
+    pub(crate) safe fn peermem_reg_alloc() -> *mut c_void;
+    /// Returns an object to the module's cache.
+    pub(crate) fn peermem_reg_free(obj: *mut c_void);
+    /// `llist_add` of `node` to the reap list, and queues the work that
+    /// hands each node to `revoke::peermem_reap_one`.
+    pub(crate) fn peermem_reap_defer(node: *mut llist_node);
+    /// Returns once the reap work neither runs nor is queued.
+    pub(crate) safe fn peermem_reap_flush();
     /// The PCI device whose memory BAR holds `phys`: its path up, and the
     /// BAR's first and last byte. 0 or -ENODEV.
     pub(crate) safe fn peermem_gpu_by_phys(

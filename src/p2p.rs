@@ -98,7 +98,7 @@ unsafe impl Send for DmaMapping {}
 /// Waits, at module exit, for every free callback that may still be running
 /// this module's code.
 ///
-/// A free callback hands its reference to the reap queue and then still
+/// A free callback hands its reference to the reap list and then still
 /// has to return; if that reference was the last, the module can be unloaded
 /// in between. The callback runs under the GPU driver's RM API lock, and every
 /// p2p entry point takes that lock first (real-driver-behaviour.md, facts 1

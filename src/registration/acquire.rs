@@ -17,7 +17,6 @@ use kernel::{
 use super::{
     refs::{
         Liveness,
-        ReapLink,
         RefCount,
         Spare, //
     },
@@ -79,7 +78,7 @@ fn object(
         sg_slot: SgSlot::new(),
         holds_map: Atomic::new(0),
         refs: RefCount::new(),
-        reap_link: ReapLink::new(),
+        reap_link: Opaque::uninit(),
         link: Opaque::uninit(),
         _live: live,
     })

@@ -77,7 +77,6 @@ pub(crate) use crate::lifecycle::Mode;
 use refs::{
     Counted,
     Liveness,
-    ReapLink,
     RefCount, //
 };
 
@@ -181,7 +180,9 @@ pub(crate) struct Registration {
     /// nothing to do.
     holds_map: Atomic<u32>,
     refs: RefCount,
-    reap_link: ReapLink,
+    /// Its link on the reap list (`refs::defer`).
+    #[pin]
+    reap_link: Opaque<bindings::llist_node>,
     /// Its link on the drain's registry.
     #[pin]
     link: Opaque<bindings::list_head>,
@@ -200,7 +201,7 @@ impl Counted for Registration {
         &self.refs
     }
 
-    fn reap_link(&self) -> &ReapLink {
+    fn reap_link(&self) -> &Opaque<bindings::llist_node> {
         &self.reap_link
     }
 }
