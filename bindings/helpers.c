@@ -1,14 +1,28 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 /*
- * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
- * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
- * device walks of the topology gate), the module parameters with their sysfs
- * files, the views' sysfs attributes, the PCI bus and module notifiers, the
- * reads of the GPU driver's params file and of the hypervisor the kernel
- * detected, the drain's registry (a kernel list) and control file, the walk of a module's export table (late binding: a kernel-internal
- * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
- * reads have the x86_64 layout the Rust side was written against. Policy
- * stays in Rust.
+ * C shim of nvidia_peermem: the parts the Rust side cannot express on 7.2
+ * and 7.3, each C for the reason given; every decision (what to pin, map,
+ * refuse, count or log) is taken in Rust, which calls these functions.
+ *
+ * - Kernel static inlines and macros: the DMA mapping calls with their
+ *   attributes, dma_get_max_seg_size, device locks, refcount_inc_not_zero,
+ *   the rate limit and the dynamic-debug call site (both macro-defined
+ *   static state).
+ * - Static kernel objects the kernel crate has no abstraction for, live
+ *   before anything can use them and with nothing to pin: the module
+ *   parameters (module_param: Rust module parameters have no sysfs file),
+ *   the sysfs views and drain file, the test-only debugfs knob, the PCI bus
+ *   and module notifiers, the drain's registry (a kernel list under a
+ *   spinlock) and its work, the registration cache (kmem_cache) and the reap
+ *   list (llist) and its work, and the binding lock.
+ * - Kernel walks and reads the Rust bindings do not reach: the PCI device
+ *   and bridge walks of the topology gate (for_each_pci_dev, ACS), the
+ *   hypervisor the kernel detected (x86_hyper_type, dmi_walk), the GPU
+ *   driver's params file, a process's name by pid (RCU).
+ * - Late binding: a live module's export table, through the loader's own
+ *   kernel-internal struct kernel_symbol (src/binding.rs).
+ * - Compile-time checks that the NVIDIA and peer-memory structs the Rust side
+ *   reads have the x86_64 layout it was written against.
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 

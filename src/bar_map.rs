@@ -6,7 +6,7 @@
 //! Why: the core calls `dma_map` with the registration's mapping lock held,
 //! and the GPU driver takes its API lock inside `nvidia_p2p_dma_map_pages`,
 //! while it holds that same lock around the free callback, whose invalidate
-//! waits for the mapping lock (real-driver-behaviour.md, facts 1-3, 12-13).
+//! waits for the mapping lock (docs/driver-facts.md, facts 1-3, 12-13).
 //! Mapping the BAR pages ourselves takes no lock of the GPU driver's, so a
 //! free racing a registration cannot deadlock. It maps what the driver would
 //! (`dma_map_resource` of the BAR bus addresses, fact 4), but one mapping per
@@ -158,7 +158,7 @@ impl BarMapping {
     /// itself stays until the core unmaps or releases: a core may still read
     /// it until then. OFED 4.x walks it between `dma_map` and arming the
     /// invalidation notifier, when a free callback only marks the
-    /// registration and returns (real-driver-behaviour.md, OFED 4.x
+    /// registration and returns (docs/driver-facts.md, OFED 4.x
     /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
     /// uses it after the callback and KASAN reports it if it was freed.
     pub(crate) fn take_device_access(&mut self) -> Option<DeviceAccess> {

@@ -515,7 +515,7 @@ impl<R: Resources> Lifecycle<R> {
         if self.owner != tgid {
             // The GPU driver looks a non-persistent pin up by the caller's
             // process: from another one its unpin "succeeds" and does nothing
-            // (real-driver-behaviour.md, fact 7). Leave the pin and the token
+            // (docs/driver-facts.md, fact 7). Leave the pin and the token
             // to the callback.
             self.phase = Phase::Orphaned;
             return Release {

@@ -19,7 +19,7 @@
 //! callback inside the core, a callback for a `dma_map` reading the page
 //! table), on the module's wait queue. A persistent registration has no free
 //! callback: only the core calls it, one call at a time (it makes and
-//! destroys a umem in one thread each; real-driver-behaviour.md, facts 12 to
+//! destroys a umem in one thread each; docs/driver-facts.md, facts 12 to
 //! 14); the drain takes its lock only to name its process.
 
 mod acquire;
@@ -107,7 +107,7 @@ impl ArmedCallback {
     /// `reg` must be the registration whose pin made this token. The driver
     /// unpinned the pages (in the pinning process, with success) and the free
     /// callback did not run, so it never will: the driver looks the pin up
-    /// under the lock it holds across the callback (real-driver-behaviour.md,
+    /// under the lock it holds across the callback (docs/driver-facts.md,
     /// facts 2 and 8; scenario `unpin_races_free_callback`).
     unsafe fn reclaim(self, reg: &Registration) -> RegRef {
         // SAFETY: the driver's reference is counted on `reg` (type invariant)
