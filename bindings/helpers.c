@@ -98,7 +98,6 @@ struct peermem_chain {
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy);
-bool peermem_gate_peer_exists(u64 gpu_phys, bool near);
 unsigned int peermem_platform(u64 gpu_phys);
 int peermem_driver_override(void);
 void peermem_gate_candidate_put(struct pci_dev *pdev);
@@ -789,27 +788,6 @@ void peermem_gate_candidate_put(struct pci_dev *pdev)
 {
 	device_unlock(&pdev->dev);
 	pci_dev_put(pdev);
-}
-
-/* Whether peermem_gate_candidate may find one (no device is locked). */
-bool peermem_gate_peer_exists(u64 gpu_phys, bool near)
-{
-	struct resource *bar;
-	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev = NULL;
-	bool found = false;
-
-	if (!gpu)
-		return false;
-	for_each_pci_dev(pdev) {
-		if (pdev != gpu && (peermem_rdma_peer(pdev, 0) || peermem_rdma_peer(pdev, 1)) &&
-		    peermem_common_bridge(gpu, pdev) == near) {
-			found = true;
-			pci_dev_put(pdev);
-			break;
-		}
-	}
-	pci_dev_put(gpu);
-	return found;
 }
 
 /*

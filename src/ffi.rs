@@ -134,9 +134,6 @@ unsafe extern "C" {
         skip: c_uint,
         busy: &mut bool,
     ) -> *mut pci_dev;
-    /// Whether [`peermem_gate_candidate`] may find a device of the kind
-    /// (none is locked: a hint, rechecked there).
-    pub(crate) safe fn peermem_gate_peer_exists(gpu_phys: u64, near: bool) -> bool;
     /// What the GPU driver's topology rule reads of the platform, for the
     /// GPU whose BAR holds `gpu_phys`: [`PEERMEM_PASSTHROUGH`],
     /// [`PEERMEM_FLAGGED_CHIPSET`].
