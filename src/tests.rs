@@ -83,7 +83,6 @@ mod range_tests {
 #[kunit_tests(nvidia_peermem_coalesce)]
 mod coalesce_tests {
     use crate::coalesce::{
-        count,
         Coalescer,
         Segment, //
     };
@@ -111,15 +110,15 @@ mod coalesce_tests {
     #[test]
     fn gap_splits() {
         let a = [0x1000_0000, 0x1001_0000, 0x2000_0000, 0x2001_0000];
-        assert_eq!(count(&a, P, 1 << 31), 2);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 2);
     }
 
     #[test]
     fn max_segment_bounds_runs() {
         let a = [0, P, 2 * P, 3 * P, 4 * P];
-        assert_eq!(count(&a, P, 2 * P), 3);
-        assert_eq!(count(&a, P, 2 * P + 1), 3);
-        assert_eq!(count(&a, P, 1), 5);
+        assert_eq!(Coalescer::new(&a, P, 2 * P).count(), 3);
+        assert_eq!(Coalescer::new(&a, P, 2 * P + 1).count(), 3);
+        assert_eq!(Coalescer::new(&a, P, 1).count(), 5);
     }
 
     #[test]
@@ -128,9 +127,9 @@ mod coalesce_tests {
         for i in 0..16384u64 {
             a.push(0x1_0000_0000 + i * P, GFP_KERNEL).unwrap();
         }
-        assert_eq!(count(&a, P, 1 << 31), 1);
-        assert_eq!(count(&a, P, 1 << 28), 4);
-        assert_eq!(count(&a, P, P), 16384);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 1);
+        assert_eq!(Coalescer::new(&a, P, 1 << 28).count(), 4);
+        assert_eq!(Coalescer::new(&a, P, P).count(), 16384);
     }
 
     #[test]
@@ -157,12 +156,12 @@ mod coalesce_tests {
     #[test]
     fn descending_addresses_do_not_merge() {
         let a = [3 * P, 2 * P, P];
-        assert_eq!(count(&a, P, 1 << 31), 3);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 3);
     }
 
     #[test]
     fn single_page() {
-        assert_eq!(count(&[0x4000_0000], P, 1 << 31), 1);
+        assert_eq!(Coalescer::new(&[0x4000_0000], P, 1 << 31).count(), 1);
     }
 }
 
@@ -1268,7 +1267,10 @@ mod sg_tests {
         // `Coalescer`.
         let top = u64::MAX - P + 1;
         let wraps = [top - P, top, 0];
-        assert_eq!(crate::coalesce::count(&wraps, P, 1 << 31), 2);
+        assert_eq!(
+            crate::coalesce::Coalescer::new(&wraps, P, 1 << 31).count(),
+            2
+        );
         let t = SgTable::coalesced(3, &wraps, P, 1 << 31)?;
         let h = header(&t);
         assert_eq!(h.nents, 2);
