@@ -42,6 +42,7 @@ use crate::{
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
     sg::{
+        self,
         SgSlot,
         SgTable, //
     },
@@ -238,14 +239,13 @@ pub(crate) unsafe fn map(
     }
     // No page at all: no run.
     let last = last.ok_or(EINVAL)?;
-    if iovas.is_empty() {
-        // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(last.segment()) }?;
+    let segs = Iterator::chain(iovas.iter(), Some(&last)).map(RunIova::segment);
+    // SAFETY: the slot is this mapping's (caller).
+    let Some(sg) = unsafe { sg::build(slot, iovas.len() + 1, segs) }? else {
         // INVARIANT: the slot's entry is this run's.
         return Ok(BarMapping::Run(Some(last)));
-    }
+    };
     iovas.push(last, GFP_KERNEL)?;
-    let sg = SgTable::new(iovas.len(), iovas.iter().map(RunIova::segment))?;
     let iovas = Some(iovas);
     // INVARIANT: the scatterlist was built from exactly these runs.
     let map = KBox::new(BarMap { sg, iovas }, GFP_KERNEL)?;
