@@ -14,7 +14,7 @@
  *   the sysfs views and drain file, the test-only debugfs knob, the PCI bus
  *   and module notifiers, the drain's registry (a kernel list under a
  *   spinlock) and its work, the registration cache (kmem_cache) and the reap
- *   list (llist) and its work, and the binding lock.
+ *   list (llist) and its work.
  * - Kernel walks and reads the Rust bindings do not reach: the PCI device
  *   and bridge walks of the topology gate (for_each_pci_dev, ACS), the
  *   hypervisor the kernel detected (x86_hyper_type, dmi_walk), the GPU
@@ -121,8 +121,6 @@ void peermem_registry_walk(void (*visit)(struct list_head *node, void *arg), voi
 bool peermem_refcount_inc_not_zero(refcount_t *r);
 void peermem_drain_kick(void);
 void peermem_drain_cancel(void);
-void peermem_bind_lock(void);
-void peermem_bind_unlock(void);
 void *peermem_module_export(struct module *mod, const char *name);
 struct module *peermem_exporter(const char *name);
 int peermem_watch_modules(void);
@@ -530,23 +528,8 @@ void peermem_drain_cancel(void)
  * kernel-internal header Rust cannot include). Modules loaded before this one
  * are found through /sys/module (the kset of our own kobject: module_kset is
  * not exported), later ones through a module notifier at MODULE_STATE_LIVE.
- * One mutex serialises the offers (the notifier chain runs callbacks
- * concurrently for modules going live together); Rust's state relies on it.
- * The notifier takes it around its call into Rust, so both sit here: static
- * C objects, live before the first offer, with nothing to pin.
+ * The offers are serialised in Rust (src/binding.rs's state lock).
  */
-static DEFINE_MUTEX(peermem_bind_mutex);
-
-void peermem_bind_lock(void)
-{
-	mutex_lock(&peermem_bind_mutex);
-}
-
-void peermem_bind_unlock(void)
-{
-	mutex_unlock(&peermem_bind_mutex);
-}
-
 static const char *peermem_symbol_name(const struct kernel_symbol *sym)
 {
 #ifdef CONFIG_HAVE_ARCH_PREL32_RELOCATIONS
@@ -597,11 +580,8 @@ struct module *peermem_exporter(const char *name)
 
 static int peermem_module_event(struct notifier_block *nb, unsigned long state, void *data)
 {
-	if (state != MODULE_STATE_LIVE || data == THIS_MODULE)
-		return NOTIFY_DONE;
-	peermem_bind_lock();
-	peermem_module_live(data);
-	peermem_bind_unlock();
+	if (state == MODULE_STATE_LIVE && data != THIS_MODULE)
+		peermem_module_live(data);
 	return NOTIFY_DONE;
 }
 

@@ -19,7 +19,6 @@
 //! knows (`p2p`). A refusal is one log line; the module keeps waiting.
 
 use core::{
-    cell::UnsafeCell,
     fmt,
     ptr::NonNull, //
 };
@@ -79,57 +78,19 @@ struct State {
     drained: bool,
 }
 
-/// The state, behind the shim's binding lock.
-///
-/// # Invariants
-///
-/// The state is used only while `peermem_bind_lock` is held.
-struct Locked(UnsafeCell<State>);
-
-// SAFETY: every access holds the binding lock (type invariants).
-unsafe impl Sync for Locked {}
-
-static STATE: Locked = Locked(UnsafeCell::new(State {
-    persistent: true,
-    legacy: false,
-    core: None,
-    gpu: None,
-    clients: KVec::new(),
-    fence: None,
-    drained: false,
-}));
-
-/// The binding lock, held.
-struct Guard(());
-
-impl Guard {
-    fn lock() -> Self {
-        ffi::peermem_bind_lock();
-        Self(())
-    }
-
-    fn state(&mut self) -> &mut State {
-        // SAFETY: the lock is held while `self` lives; `&mut self` makes the
-        // borrow unique.
-        unsafe { locked_state() }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        ffi::peermem_bind_unlock();
-    }
-}
-
-/// The state.
-///
-/// # Safety
-///
-/// The binding lock must be held while the reference is used, and no other
-/// reference to the state may be live.
-unsafe fn locked_state<'a>() -> &'a mut State {
-    // SAFETY: under the lock, the only reference (caller).
-    unsafe { &mut *STATE.0.get() }
+kernel::sync::global_lock! {
+    /// The binding lock: the state, and the offers and drains it serialises.
+    // SAFETY: initialized by `Exporters::new`, the first step of the
+    // module's init, before the module notifier or anything else locks it.
+    unsafe(uninit) static STATE: Mutex<State> = State {
+        persistent: true,
+        legacy: false,
+        core: None,
+        gpu: None,
+        clients: KVec::new(),
+        fence: None,
+        drained: false,
+    };
 }
 
 /// What the module waits for, as `stats/waiting_for` says it.
@@ -168,8 +129,7 @@ impl kernel::fmt::Display for Missing<'_> {
 
 /// `stats/waiting_for`: one value, `nothing` once the clients registered.
 pub(crate) fn show_waiting(f: &mut fmt::Formatter<'_>) -> fmt::Result {
-    let mut g = Guard::lock();
-    writeln!(f, "{}", waiting_for(g.state()))
+    writeln!(f, "{}", waiting_for(&STATE.lock()))
 }
 
 /// A module's name, for the log.
@@ -336,18 +296,17 @@ fn register(st: &mut State) -> Result<Option<&'static str>> {
     Ok(Some(text))
 }
 
-/// A module went live (the module notifier, through the shim, under the
-/// binding lock): binds what it exports and registers once both are bound.
+/// A module went live (the module notifier, through the shim): binds what
+/// it exports and registers once both are bound. The state's lock
+/// serialises the offers (the notifier chain runs callbacks concurrently
+/// for modules going live together).
 ///
 /// # Safety
 ///
-/// `module` must be a live module, valid for the call; the binding lock
-/// must be held.
+/// `module` must be a live module, valid for the call.
 #[no_mangle]
 unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
-    // SAFETY: the shim calls with the binding lock held, and nothing else
-    // holds a reference to the state (caller).
-    let st = unsafe { locked_state() };
+    let st = &mut *STATE.lock();
     let Some(module) = NonNull::new(module) else {
         return;
     };
@@ -425,13 +384,13 @@ fn resume(st: &mut State, why: &str) {
 
 /// `drain` = 0: ends a drain.
 pub(crate) fn end_drain() {
-    resume(Guard::lock().state(), "drain set to 0");
+    resume(&mut STATE.lock(), "drain set to 0");
 }
 
 /// `drain` = 1: from now on new registrations are refused. Whether the
 /// module was draining already.
 pub(crate) fn start_drain() -> bool {
-    let _g = Guard::lock();
+    let _g = STATE.lock();
     let was = registry::draining();
     registry::set_draining(true);
     was
@@ -442,8 +401,7 @@ pub(crate) fn start_drain() -> bool {
 /// and the GPU driver's modules, which can then be unloaded. Whether the
 /// module is drained.
 pub(crate) fn finish_drain() -> bool {
-    let mut g = Guard::lock();
-    let st = g.state();
+    let st = &mut *STATE.lock();
     if st.drained || !registry::draining() || registry::live_count() != 0 {
         return st.drained;
     }
@@ -483,9 +441,8 @@ impl Binding {
         kernel::error::to_result(ffi::peermem_watch_modules())?;
         // INVARIANT: registered just above.
         let this = Self(());
-        let mut g = Guard::lock();
         let version = env!("PEERMEM_VERSION");
-        bind_live(g.state(), format_args!("version {version} loaded"))?;
+        bind_live(&mut STATE.lock(), format_args!("version {version} loaded"))?;
         Ok(this)
     }
 }
@@ -497,8 +454,7 @@ impl Drop for Binding {
         ffi::peermem_unwatch_modules();
         ffi::peermem_drain_cancel();
         let (clients, fence) = {
-            let mut g = Guard::lock();
-            let st = g.state();
+            let st = &mut *STATE.lock();
             (core::mem::take(&mut st.clients), st.fence.take())
         };
         // The clients unregister (the core waits for their registrations),
@@ -513,10 +469,12 @@ impl Drop for Binding {
 pub(crate) struct Exporters(());
 
 impl Exporters {
-    /// Records the mode the clients will register in.
+    /// Initializes the state's lock; records the mode the clients will
+    /// register in.
     pub(crate) fn new(persistent: bool, legacy: bool) -> Self {
-        let mut g = Guard::lock();
-        let st = g.state();
+        // SAFETY: once, at the module's init, before anything locks it.
+        unsafe { STATE.init() };
+        let st = &mut *STATE.lock();
         st.persistent = persistent;
         st.legacy = legacy;
         Self(())
@@ -525,8 +483,7 @@ impl Exporters {
 
 impl Drop for Exporters {
     fn drop(&mut self) {
-        let mut g = Guard::lock();
-        let st = g.state();
+        let st = &mut *STATE.lock();
         drop(st.gpu.take());
         drop(st.core.take());
     }

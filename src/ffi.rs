@@ -153,17 +153,13 @@ unsafe extern "C" {
     pub(crate) safe fn peermem_views_add() -> c_int;
     /// Removes them; returns once no read of one runs.
     pub(crate) safe fn peermem_views_remove();
-    /// Takes the lock that serialises `binding`'s offers and state.
-    pub(crate) safe fn peermem_bind_lock();
-    /// Releases it.
-    pub(crate) safe fn peermem_bind_unlock();
     /// The address `module` (referenced) exports as `name`, or NULL.
     pub(crate) fn peermem_module_export(module: *mut module, name: *const c_char) -> *mut c_void;
     /// The live module, not this one, that exports `name`, with a reference
     /// for the caller; or NULL.
     pub(crate) fn peermem_exporter(name: *const c_char) -> *mut module;
     /// Registers the module notifier that offers each module going live to
-    /// `binding::peermem_module_live`, under the binding lock. 0 or an errno.
+    /// `binding::peermem_module_live`. 0 or an errno.
     pub(crate) safe fn peermem_watch_modules() -> c_int;
     /// Unregisters it; returns once no notification runs.
     pub(crate) safe fn peermem_unwatch_modules();
