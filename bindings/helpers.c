@@ -59,10 +59,8 @@
 struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg);
 bool peermem_dbg(const char *msg);
 bool peermem_dbg_on(void);
-int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
-void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma);
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len);
+int peermem_map_run(struct device *dev, u64 phys, u64 len, bool coherent, u64 *dma);
+void peermem_unmap_run(struct device *dev, u64 dma, u64 len, bool coherent);
 int peermem_reg_cache_create(size_t size, size_t align);
 void peermem_reg_cache_destroy(void);
 void *peermem_reg_alloc(void);
@@ -210,26 +208,6 @@ struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_s
 #endif
 
 /*
- * Maps @len bytes of a peer's BAR at bus address @phys for DMA by @dev, as
- * the GPU driver's nv_dma_map_peer() does: an IOVA under a translating
- * IOMMU, the bus address otherwise. 0 or -EIO.
- */
-int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma)
-{
-	dma_addr_t a = dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
-
-	if (dma_mapping_error(dev, a))
-		return -EIO;
-	*dma = a;
-	return 0;
-}
-
-void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
-{
-	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
-}
-
-/*
  * Coherent (C2C) GPU memory is cacheable system memory, not MMIO: mapped as
  * memory, never bounced through swiotlb nor left to cache maintenance that a
  * device accessing it at any time could not follow. DMA_ATTR_REQUIRE_COHERENT
@@ -237,31 +215,42 @@ void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
  */
 #ifdef DMA_ATTR_REQUIRE_COHERENT
 #define PEERMEM_C2C_ATTRS (DMA_ATTR_REQUIRE_COHERENT | DMA_ATTR_SKIP_CPU_SYNC | PEERMEM_BAR_ATTRS)
+#endif
 
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
+/*
+ * Maps @len bytes at bus address @phys for DMA by @dev: a peer's BAR as the
+ * GPU driver's nv_dma_map_peer() does (an IOVA under a translating IOMMU,
+ * the bus address otherwise), or @coherent memory as memory. 0, -EIO, or
+ * -EOPNOTSUPP for coherent memory on a kernel that cannot map it so.
+ */
+int peermem_map_run(struct device *dev, u64 phys, u64 len, bool coherent, u64 *dma)
 {
-	dma_addr_t a = dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+	dma_addr_t a;
 
+	if (!coherent)
+		a = dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
+	else
+#ifdef DMA_ATTR_REQUIRE_COHERENT
+		a = dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+#else
+		return -EOPNOTSUPP;
+#endif
 	if (dma_mapping_error(dev, a))
 		return -EIO;
 	*dma = a;
 	return 0;
 }
 
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
+void peermem_unmap_run(struct device *dev, u64 dma, u64 len, bool coherent)
 {
-	dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
-}
-#else
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
-{
-	return -EOPNOTSUPP;
-}
-
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
-{
-}
+#ifdef DMA_ATTR_REQUIRE_COHERENT
+	if (coherent) {
+		dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+		return;
+	}
 #endif
+	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
+}
 
 /*
  * The registration objects' cache and the reap list (src/registration/refs.rs).

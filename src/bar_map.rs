@@ -81,13 +81,9 @@ impl RunIova {
         // Runs are bounded to `u32::MAX` bytes (`Runs`).
         let len = u32::try_from(run.len).map_err(|_| EINVAL)?;
         let mut iova = 0u64;
-        let (d, addr) = (dev.as_ptr(), run.addr);
         // SAFETY: a live device; `run` stays pinned (caller).
         kernel::error::to_result(unsafe {
-            match coherent {
-                false => ffi::peermem_map_bar(d, addr, run.len, &mut iova),
-                true => ffi::peermem_map_coherent(d, addr, run.len, &mut iova),
-            }
+            ffi::peermem_map_run(dev.as_ptr(), run.addr, run.len, coherent, &mut iova)
         })?;
         // INVARIANT: mapped just above, undone by `drop`.
         Ok(Self {
@@ -110,14 +106,9 @@ impl RunIova {
 impl Drop for RunIova {
     fn drop(&mut self) {
         let (d, len) = (self.dev.as_ptr(), u64::from(self.len));
-        // SAFETY: mapped for `dev` by the call matching `coherent`, undone
-        // once (type invariant).
-        unsafe {
-            match self.coherent {
-                false => ffi::peermem_unmap_bar(d, self.iova, len),
-                true => ffi::peermem_unmap_coherent(d, self.iova, len),
-            }
-        }
+        // SAFETY: mapped for `dev` as `coherent` says, undone once (type
+        // invariant).
+        unsafe { ffi::peermem_unmap_run(d, self.iova, len, self.coherent) };
     }
 }
 

@@ -66,23 +66,20 @@ unsafe extern "C" {
     pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
     /// Whether the module's dynamic-debug call site is enabled.
     pub(crate) safe fn peermem_dbg_on() -> bool;
-    /// `dma_map_resource` of a peer's BAR range for `dev`: 0 and the DMA
-    /// address in `dma`, or -EIO.
-    pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
-    /// Undoes [`peermem_map_bar`].
-    pub(crate) fn peermem_unmap_bar(dev: *mut device, dma: u64, len: u64);
-    /// `dma_map_phys` of coherent (C2C) GPU memory for `dev`, as memory and
+    /// Maps a run of GPU memory for `dev`: `dma_map_resource` of a peer's
+    /// BAR range, or `dma_map_phys` of `coherent` (C2C) memory as memory,
     /// only without bounce buffers or cache maintenance
-    /// (`DMA_ATTR_REQUIRE_COHERENT`): 0 and the DMA address in `dma`, -EIO,
-    /// or -EOPNOTSUPP where the kernel has no such mapping.
-    pub(crate) fn peermem_map_coherent(
+    /// (`DMA_ATTR_REQUIRE_COHERENT`). 0 and the DMA address in `dma`, -EIO,
+    /// or -EOPNOTSUPP where the kernel has no such coherent mapping.
+    pub(crate) fn peermem_map_run(
         dev: *mut device,
         phys: u64,
         len: u64,
+        coherent: bool,
         dma: *mut u64,
     ) -> c_int;
-    /// Undoes [`peermem_map_coherent`].
-    pub(crate) fn peermem_unmap_coherent(dev: *mut device, dma: u64, len: u64);
+    /// Undoes [`peermem_map_run`].
+    pub(crate) fn peermem_unmap_run(dev: *mut device, dma: u64, len: u64, coherent: bool);
     /// Registers the bus notifier that calls `accounting`'s
     /// `peermem_device_unbound` when a PCI device loses its driver.
     pub(crate) safe fn peermem_watch_devices() -> c_int;
