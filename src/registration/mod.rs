@@ -152,6 +152,34 @@ struct Inner {
 /// Inside a registration's lock.
 type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
 
+/// A pin's counts (per pair, GPU and process; its GPU's BAR1 use), taken
+/// out of the state to be released outside the lock.
+#[derive(Default)]
+struct Charges(Option<Charge>, Option<crate::accounting::Bar1>);
+
+impl Charges {
+    /// Releases them for the pin of `len` bytes that ended.
+    fn release(self, len: u64) {
+        if let Some(c) = self.0 {
+            c.release(len);
+        }
+        if let Some(b) = self.1 {
+            b.release(len);
+        }
+    }
+}
+
+impl Inner {
+    /// Takes the pin's counts out, to release once outside the lock; none
+    /// unless `ended`.
+    fn charges(&mut self, ended: bool) -> Charges {
+        match ended {
+            true => Charges(self.charge.take(), self.bar1.take()),
+            false => Charges::default(),
+        }
+    }
+}
+
 /// One registration of a GPU range with the peer-memory core.
 ///
 /// # Invariants

@@ -72,29 +72,19 @@ impl Registration {
     /// then undo our own mapping.
     fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
-        let (action, had_pin, (charge, bar1)) = {
+        let (action, had_pin, charges) = {
             let mut g = self.enter();
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
             let (action, table) = g.lc.invalidate();
             self.wait_for_users(&mut g, action);
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
-            let charges = if ended {
-                (g.charge.take(), g.bar1.take())
-            } else {
-                (None, None)
-            };
-            (action, ended, charges)
+            (action, ended, g.charges(ended))
         };
         if had_pin {
             STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         }
-        if let Some(c) = charge {
-            c.release(self.range().len);
-        }
-        if let Some(b) = bar1 {
-            b.release(self.range().len);
-        }
+        charges.release(self.range().len);
         self.revoked(action);
     }
 
