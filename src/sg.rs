@@ -89,7 +89,10 @@ impl SgSlot {
 /// `table` was set up by `sg_alloc_table` for `orig_nents` entries, two or
 /// more, and is freed exactly once, on drop. Its first `nents` entries (at
 /// most `orig_nents`) carry the DMA fields of the mapping, the others are
-/// empty.
+/// empty. While the core holds the header, OFED's core adjusts the first
+/// and last entries' DMA address and lengths to the user's range (and
+/// restores them before `dma_unmap`): nothing here reads an entry back, and
+/// `sg_free_table` follows only the chain links, which it does not touch.
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
