@@ -184,15 +184,15 @@ pub(crate) fn driver_version_ok(v: &[u8]) -> bool {
 
 /// Binds the GPU driver's entry points from `m`, if it exports them and
 /// passes the checks.
-fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
-    let Some(a) = addresses(&m, &P2P_NAMES) else {
+fn bind_gpu(st: &mut State, m: &ModuleRef) -> bool {
+    let Some(a) = addresses(m, &P2P_NAMES) else {
         return false;
     };
     let version = m.version().map_or(&b""[..], |v| v.to_bytes());
     if !driver_version_ok(version) {
         pr_err!(
             "refused the GPU driver in module {}: version '{}' is not one this module knows (R{} or later, MAJOR.MINOR[.PATCH]); waiting for another\n",
-            name(&m),
+            name(m),
             core::str::from_utf8(version).unwrap_or("?"),
             DRIVER_MAJOR_MIN,
         );
@@ -214,13 +214,13 @@ fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
     // `None`), before any client registered; `m` is held until the table is
     // retracted (`finish_drain`) or the module exits.
     unsafe { exports::P2P.publish(table) };
-    st.gpu = Some(m);
+    st.gpu = Some(m.clone());
     true
 }
 
 /// Binds the core's entry points from `m`, if it exports them.
-fn bind_core(st: &mut State, m: ModuleRef) -> bool {
-    let Some(a) = addresses(&m, &CORE_NAMES) else {
+fn bind_core(st: &mut State, m: &ModuleRef) -> bool {
+    let Some(a) = addresses(m, &CORE_NAMES) else {
         return false;
     };
     // SAFETY: each address is the function `m` exports under the name
@@ -235,30 +235,15 @@ fn bind_core(st: &mut State, m: ModuleRef) -> bool {
     // `None`), before any client registered; `m` is held until the table is
     // retracted (`finish_drain`) or the module exits.
     unsafe { exports::CORE.publish(table) };
-    st.core = Some(m);
+    st.core = Some(m.clone());
     true
 }
 
-/// Offers `module` to what is not bound yet; whether it bound something.
-///
-/// # Safety
-///
-/// `module` must be valid for the call.
-unsafe fn offer(st: &mut State, module: NonNull<bindings::module>) -> bool {
-    let mut bound = false;
-    if st.gpu.is_none() {
-        // SAFETY: valid for the call (caller).
-        if let Some(m) = unsafe { ModuleRef::get(module) } {
-            bound |= bind_gpu(st, m);
-        }
-    }
-    if st.core.is_none() {
-        // SAFETY: valid for the call (caller).
-        if let Some(m) = unsafe { ModuleRef::get(module) } {
-            bound |= bind_core(st, m);
-        }
-    }
-    bound
+/// Offers `m` to what is not bound yet; whether it bound something.
+fn offer(st: &mut State, m: &ModuleRef) -> bool {
+    let gpu = st.gpu.is_none() && bind_gpu(st, m);
+    let core = st.core.is_none() && bind_core(st, m);
+    gpu || core
 }
 
 /// Registers the clients of the mode the parameters chose; returns them and
@@ -307,26 +292,21 @@ fn register(st: &mut State) -> Result<Option<&'static str>> {
 #[no_mangle]
 unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
     let st = &mut *STATE.lock();
-    let Some(module) = NonNull::new(module) else {
+    // SAFETY: valid for the call (caller).
+    let Some(m) = NonNull::new(module).and_then(|module| unsafe { ModuleRef::get(module) }) else {
         return;
     };
     if st.drained {
-        // SAFETY: valid for the call (caller).
-        if unsafe { exports_an_api(module) } {
+        if exports_an_api(&m) {
             resume(st, "a module it binds to came back");
         }
         return;
     }
-    // SAFETY: valid for the call (caller).
-    if !unsafe { offer(st, module) } {
+    if !offer(st, &m) {
         return;
     }
     let registered = register(st);
-    let from = [&st.core, &st.gpu]
-        .into_iter()
-        .flatten()
-        .find(|m| m.is(module))
-        .map_or("?", name);
+    let from = name(&m);
     match registered {
         Ok(Some(text)) => pr_info!("registered with the peer-memory core: {text} (bound to module {from})\n"),
         Ok(None) => pr_info!("bound to module {from}; waiting for {}\n", Missing(st)),
@@ -335,19 +315,11 @@ unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
     }
 }
 
-/// Whether `module` exports the core's or the GPU driver's first entry
-/// point.
-///
-/// # Safety
-///
-/// `module` must be valid for the call.
-unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
-    // SAFETY: valid for the call (caller).
-    unsafe { ModuleRef::get(module) }.is_some_and(|m| {
-        [P2P_NAMES[0], CORE_NAMES[0]]
-            .iter()
-            .any(|n| !m.export(n).is_null())
-    })
+/// Whether `m` exports the core's or the GPU driver's first entry point.
+fn exports_an_api(m: &ModuleRef) -> bool {
+    [P2P_NAMES[0], CORE_NAMES[0]]
+        .iter()
+        .any(|n| !m.export(n).is_null())
 }
 
 /// Binds what is live and registers if both are; says so (`why`: the
@@ -355,8 +327,7 @@ unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
 fn bind_live(st: &mut State, why: fmt::Arguments<'_>) -> Result {
     for key in [P2P_NAMES[0], CORE_NAMES[0]] {
         if let Some(m) = ModuleRef::exporter(key) {
-            // SAFETY: `m` holds a reference to the module for the call.
-            unsafe { offer(st, m.module()) };
+            offer(st, &m);
         }
     }
     match register(st)? {
