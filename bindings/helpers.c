@@ -100,7 +100,6 @@ int peermem_driver_override(void);
 void peermem_gate_candidate_put(struct pci_dev *pdev);
 bool peermem_ratelimit(void);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
-int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
 int peermem_param(unsigned int which);
 int peermem_views_add(void);
@@ -880,15 +879,6 @@ bool peermem_ratelimit(void)
 	return __ratelimit(&rs);
 }
 
-/* The upstream path of the PCI device behind @dev. 0 or -ENODEV. */
-int peermem_chain_of(struct device *dev, struct peermem_chain *out)
-{
-	if (!dev || !dev_is_pci(dev))
-		return -ENODEV;
-	peermem_fill_chain(to_pci_dev(dev), out);
-	return 0;
-}
-
 /*
  * The name of process @tgid (a pid of the initial namespace, as task->pid),
  * TASK_COMM_LEN bytes, NUL-padded; all zero when it has exited.
@@ -905,11 +895,18 @@ void peermem_comm_of(u32 tgid, char *comm)
 	rcu_read_unlock();
 }
 
-/* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */
-int peermem_iommu_kind(struct device *dev)
+/*
+ * The upstream path of the PCI device behind @dev, and how the IOMMU treats
+ * its DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other; or -ENODEV.
+ */
+int peermem_chain_of(struct device *dev, struct peermem_chain *out)
 {
-	struct iommu_domain *d = iommu_get_domain_for_dev(dev);
+	struct iommu_domain *d;
 
+	if (!dev || !dev_is_pci(dev))
+		return -ENODEV;
+	peermem_fill_chain(to_pci_dev(dev), out);
+	d = iommu_get_domain_for_dev(dev);
 	if (!d)
 		return 0;
 	switch (d->type) {

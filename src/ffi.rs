@@ -108,11 +108,9 @@ unsafe extern "C" {
         bar_start: &mut u64,
         bar_end: &mut u64,
     ) -> c_int;
-    /// The path up of the PCI device behind `dev`. 0 or -ENODEV.
+    /// The path up of the PCI device behind `dev`, and how an IOMMU treats
+    /// its DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other; or -ENODEV.
     pub(crate) fn peermem_chain_of(dev: *mut device, out: *mut PeermemChain) -> c_int;
-    /// How an IOMMU treats `dev`'s DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ,
-    /// 4 other.
-    pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
     /// The calling process's name into a 16-byte buffer.
     pub(crate) safe fn peermem_comm_of(tgid: u32, comm: &mut [c_char; 16]);
     /// The `skip`-th PCI device the GPU driver's topology gate can be asked

@@ -85,14 +85,11 @@ fn chain<'a>(c: &ffi::PeermemChain, out: &'a mut [Hop; 16]) -> Chain<'a> {
 fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
     let mut peer_chain = ffi::PeermemChain::default();
     // SAFETY: a live device (the `PeerDevice` invariant), a valid out-pointer.
-    if unsafe { ffi::peermem_chain_of(peer.dev(), &mut peer_chain) } != 0 {
-        return None;
-    }
+    let iommu = unsafe { ffi::peermem_chain_of(peer.dev(), &mut peer_chain) };
+    let iommu = u32::try_from(iommu).ok()?.min(4);
     let (mut ga, mut pa) = ([Hop::default(); 16], [Hop::default(); 16]);
     let (a, b) = (chain(gpu_chain, &mut ga), chain(&peer_chain, &mut pa));
-    // SAFETY: a live device.
-    let iommu = unsafe { ffi::peermem_iommu_kind(peer.dev()) };
-    Some((path::classify(&a, &b), iommu.clamp(0, 4) as u32))
+    Some((path::classify(&a, &b), iommu))
 }
 
 #[cold]
