@@ -46,7 +46,7 @@ use kernel::{
             spinlock::SpinLockBackend,
             Guard, //
         },
-        SpinLock,
+        Refcount, SpinLock,
     },
     types::Opaque,
 };
@@ -76,8 +76,7 @@ pub(crate) use crate::lifecycle::Mode;
 
 use refs::{
     Counted,
-    Liveness,
-    RefCount, //
+    Liveness, //
 };
 
 /// A counted reference on a registration.
@@ -207,7 +206,7 @@ pub(crate) struct Registration {
     /// which the core calls right after `dma_unmap` and which then has
     /// nothing to do.
     holds_map: Atomic<u32>,
-    refs: RefCount,
+    refs: Refcount,
     /// Its link on the reap list (`refs::defer`).
     #[pin]
     reap_link: Opaque<bindings::llist_node>,
@@ -225,7 +224,7 @@ impl PinnedDrop for Registration {
 }
 
 impl Counted for Registration {
-    fn refs(&self) -> &RefCount {
+    fn refs(&self) -> &Refcount {
         &self.refs
     }
 

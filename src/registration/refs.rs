@@ -44,10 +44,12 @@ use crate::{
     ffi, //
 };
 
-/// An object with a [`RefCount`] and a reap link of its own.
+/// An object with a count of references (the kernel's `refcount_t`,
+/// saturating; created at 1, its creator's: [`Spare::init`]) and a reap link
+/// of its own.
 pub(crate) trait Counted: Sized {
     /// The count of references on this object.
-    fn refs(&self) -> &RefCount;
+    fn refs(&self) -> &Refcount;
     /// Its link on the reap list (see [`defer`]), not on it until then.
     fn reap_link(&self) -> &Opaque<bindings::llist_node>;
 }
@@ -82,23 +84,12 @@ impl Drop for ObjectCache {
     }
 }
 
-/// The count of an object's references, a field of the object: the
-/// kernel's `refcount_t` (saturating).
-pub(crate) struct RefCount(Refcount);
-
-impl RefCount {
-    /// One reference: its creator's ([`Spare::init`]).
-    pub(crate) fn new() -> Self {
-        Self(Refcount::new(1))
-    }
-}
-
 /// A counted reference on an object of the module's cache.
 ///
 /// # Invariants
 ///
 /// Points to a live, initialized, pinned `T` from the module's cache, whose
-/// [`RefCount`] counts this reference; when the count drops to zero the
+/// count counts this reference; when the count drops to zero the
 /// object is dropped in place and returned to the cache. The count never
 /// exceeds 4 (see the module, and the drain's one), so it cannot saturate.
 pub(crate) struct Ref<T: Counted>(NonNull<T>);
@@ -128,8 +119,8 @@ impl<T: Counted> Spare<T> {
         Ok(Self(obj))
     }
 
-    /// Initializes the object with `init`, whose count must be
-    /// [`RefCount::new`]: the returned reference is the only one.
+    /// Initializes the object with `init`, whose count must be 1: the
+    /// returned reference is the only one.
     pub(crate) fn init(self, init: impl PinInit<T>) -> Ref<T> {
         let obj = self.0;
         core::mem::forget(self);
@@ -213,7 +204,7 @@ impl<T: Counted> Ref<T> {
     /// valid for the call (it is freed only after it left wherever the
     /// caller found it).
     pub(crate) unsafe fn get_unless_zero(obj: &T) -> Option<Self> {
-        let count = core::ptr::from_ref(&obj.refs().0).cast_mut().cast();
+        let count = core::ptr::from_ref(obj.refs()).cast_mut().cast();
         // SAFETY: `Refcount` is a transparent `refcount_t`, valid for the
         // call (caller).
         let live = unsafe { ffi::peermem_refcount_inc_not_zero(count) };
@@ -224,7 +215,7 @@ impl<T: Counted> Ref<T> {
 
 impl<T: Counted> Clone for Ref<T> {
     fn clone(&self) -> Self {
-        self.refs().0.inc();
+        self.refs().inc();
         // INVARIANT: counted above.
         Self(self.0)
     }
@@ -234,7 +225,7 @@ impl<T: Counted> Drop for Ref<T> {
     fn drop(&mut self) {
         // refcount_dec_and_test orders this thread's uses of the object
         // before the free, and every other thread's before this one's free.
-        if !self.refs().0.dec_and_test() {
+        if !self.refs().dec_and_test() {
             return;
         }
         let p = self.0.as_ptr();
