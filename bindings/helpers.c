@@ -1,15 +1,31 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 /*
- * C shim of nvidia_peermem: what Rust cannot express on 7.2 and 7.3. Kernel
- * static inlines and macros (DMA mapping, scatterlist, device locks, the PCI
- * device walks of the topology gate), the module parameters with their sysfs
- * files, the views' kobjects and attributes in sysfs (one value per file)
- * and root's processes file in debugfs, the PCI bus and module notifiers, the
- * reads of the GPU driver's params file and of the hypervisor the kernel
- * detected, the drain's registry (a kernel list) and control file, the walk of a module's export table (late binding: a kernel-internal
- * struct; src/binding.rs), and compile-time checks that the NVIDIA and peer-memory structs this module
- * reads have the x86_64 layout the Rust side was written against. Policy
- * stays in Rust.
+ * C shim of nvidia_peermem: the parts the Rust side cannot express on 7.2
+ * and 7.3, each C for the reason given; every decision (what to pin, map,
+ * refuse, count or log) is taken in Rust, which calls these functions.
+ *
+ * - Kernel static inlines and macros: the DMA mapping calls with their
+ *   attributes, dma_get_max_seg_size, device locks, refcount_inc_not_zero,
+ *   the rate limit and the dynamic-debug call site (both macro-defined
+ *   static state).
+ * - Static kernel objects the kernel crate has no abstraction for, live
+ *   before anything can use them and with nothing to pin: the module
+ *   parameters (module_param: Rust module parameters have no sysfs file),
+ *   the sysfs files (kobjects and attributes, one value per file; the
+ *   kernel crate has none) and drain file, root's processes file and the
+ *   test-only knob in debugfs, the PCI bus
+ *   and module notifiers, the drain's registry (a kernel list under a
+ *   spinlock) and its work, the registration cache (kmem_cache) and the reap
+ *   list (llist) and its work.
+ * - Kernel walks and reads the Rust bindings do not reach: the PCI device
+ *   and bridge walks of the topology gate (for_each_pci_dev, ACS), the
+ *   hypervisor the kernel detected (x86_hyper_type, dmi_walk), the GPU
+ *   driver's params file, a process's name by pid (RCU).
+ * - Late binding: a live module's export table, through the loader's own
+ *   kernel-internal struct kernel_symbol (src/binding.rs).
+ * - Compile-time checks of the shim's own structs that the Rust side mirrors
+ *   (src/ffi.rs checks the same sizes and offsets, and the NVIDIA and
+ *   peer-memory structs' x86_64 layout).
  */
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
@@ -19,6 +35,7 @@
 #include <linux/fs.h>
 #include <linux/iommu.h>
 #include <linux/kobject.h>
+#include <linux/llist.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/mutex.h>
@@ -38,23 +55,21 @@
 #if defined(CONFIG_X86) && defined(CONFIG_HYPERVISOR_GUEST)
 #include <asm/hypervisor.h>
 #endif
-#include "nv-p2p.h"
-#include "peer_mem.h"
 /* The loader's struct kernel_symbol and kernel_symbol_value (late binding). */
 #include <../kernel/module/internal.h>
 
 struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_seg);
 bool peermem_dbg(const char *msg);
 bool peermem_dbg_on(void);
-int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma);
-void peermem_unmap_bar(struct device *dev, u64 dma, u64 len);
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma);
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len);
-struct workqueue_struct *peermem_wq_alloc(void);
-void peermem_wq_destroy(struct workqueue_struct *wq);
-bool peermem_reap_kick(struct workqueue_struct *wq);
-struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align);
-void peermem_reap_run(void);	/* Rust, src/registration/revoke.rs */
+int peermem_map_run(struct device *dev, u64 phys, u64 len, bool coherent, u64 *dma);
+void peermem_unmap_run(struct device *dev, u64 dma, u64 len, bool coherent);
+int peermem_reg_cache_create(size_t size, size_t align);
+void peermem_reg_cache_destroy(void);
+void *peermem_reg_alloc(void);
+void peermem_reg_free(void *obj);
+void peermem_reap_defer(struct llist_node *node);
+void peermem_reap_flush(void);
+void peermem_reap_one(struct llist_node *node);	/* Rust, src/registration/revoke.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
 void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
@@ -83,13 +98,11 @@ struct peermem_chain {
 
 int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64 *bar_end);
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy);
-bool peermem_gate_peer_exists(u64 gpu_phys, bool near);
 unsigned int peermem_platform(u64 gpu_phys);
 int peermem_driver_override(void);
 void peermem_gate_candidate_put(struct pci_dev *pdev);
 bool peermem_ratelimit(void);
 int peermem_chain_of(struct device *dev, struct peermem_chain *out);
-int peermem_iommu_kind(struct device *dev);
 void peermem_comm_of(u32 tgid, char *comm);
 int peermem_param(unsigned int which);
 int peermem_views_add(void);
@@ -113,8 +126,6 @@ void peermem_registry_walk(void (*visit)(struct list_head *node, void *arg), voi
 bool peermem_refcount_inc_not_zero(refcount_t *r);
 void peermem_drain_kick(void);
 void peermem_drain_cancel(void);
-void peermem_bind_lock(void);
-void peermem_bind_unlock(void);
 void *peermem_module_export(struct module *mod, const char *name);
 struct module *peermem_exporter(const char *name);
 int peermem_watch_modules(void);
@@ -204,26 +215,6 @@ struct pci_dev *peermem_peer_of(struct device *dev, u32 *id, unsigned int *max_s
 #endif
 
 /*
- * Maps @len bytes of a peer's BAR at bus address @phys for DMA by @dev, as
- * the GPU driver's nv_dma_map_peer() does: an IOVA under a translating
- * IOMMU, the bus address otherwise. 0 or -EIO.
- */
-int peermem_map_bar(struct device *dev, u64 phys, u64 len, u64 *dma)
-{
-	dma_addr_t a = dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
-
-	if (dma_mapping_error(dev, a))
-		return -EIO;
-	*dma = a;
-	return 0;
-}
-
-void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
-{
-	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
-}
-
-/*
  * Coherent (C2C) GPU memory is cacheable system memory, not MMIO: mapped as
  * memory, never bounced through swiotlb nor left to cache maintenance that a
  * device accessing it at any time could not follow. DMA_ATTR_REQUIRE_COHERENT
@@ -231,59 +222,99 @@ void peermem_unmap_bar(struct device *dev, u64 dma, u64 len)
  */
 #ifdef DMA_ATTR_REQUIRE_COHERENT
 #define PEERMEM_C2C_ATTRS (DMA_ATTR_REQUIRE_COHERENT | DMA_ATTR_SKIP_CPU_SYNC | PEERMEM_BAR_ATTRS)
+#endif
 
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
+/*
+ * Maps @len bytes at bus address @phys for DMA by @dev: a peer's BAR as the
+ * GPU driver's nv_dma_map_peer() does (an IOVA under a translating IOMMU,
+ * the bus address otherwise), or @coherent memory as memory. 0, -EIO, or
+ * -EOPNOTSUPP for coherent memory on a kernel that cannot map it so.
+ */
+int peermem_map_run(struct device *dev, u64 phys, u64 len, bool coherent, u64 *dma)
 {
-	dma_addr_t a = dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+	dma_addr_t a;
 
+	if (!coherent)
+		a = dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
+	else
+#ifdef DMA_ATTR_REQUIRE_COHERENT
+		a = dma_map_phys(dev, phys, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+#else
+		return -EOPNOTSUPP;
+#endif
 	if (dma_mapping_error(dev, a))
 		return -EIO;
 	*dma = a;
 	return 0;
 }
 
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
+void peermem_unmap_run(struct device *dev, u64 dma, u64 len, bool coherent)
 {
-	dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
-}
-#else
-int peermem_map_coherent(struct device *dev, u64 phys, u64 len, u64 *dma)
-{
-	return -EOPNOTSUPP;
-}
-
-void peermem_unmap_coherent(struct device *dev, u64 dma, u64 len)
-{
-}
+#ifdef DMA_ATTR_REQUIRE_COHERENT
+	if (coherent) {
+		dma_unmap_phys(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_C2C_ATTRS);
+		return;
+	}
 #endif
-
-/* The module's own queue for work that must finish before it unloads. */
-struct workqueue_struct *peermem_wq_alloc(void)
-{
-	return alloc_workqueue("nvidia_peermem", WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
-}
-
-/* Drains the queue (every queued item has run and returned), then frees it. */
-void peermem_wq_destroy(struct workqueue_struct *wq)
-{
-	destroy_workqueue(wq);
+	dma_unmap_resource(dev, dma, len, DMA_BIDIRECTIONAL, PEERMEM_BAR_ATTRS);
 }
 
 /*
- * The module's one reap work: drops the references that free callbacks
- * handed over (src/registration/revoke.rs). Queued on the module's queue, which the
- * module's exit drains.
+ * The registration objects' cache and the reap list (src/registration/refs.rs).
+ * The cache exists from the module's init, before its clients register, to
+ * its exit, after every object is back: a plain static, set and cleared
+ * where nothing else runs. A free callback that holds a registration's last
+ * reference puts the object on the list instead of dropping it (the drop puts
+ * a module reference, so it must not run in the callback); the work drops
+ * them, and the module's exit flushes it once no callback can run.
  */
+static struct kmem_cache *peermem_reg_cache;
+
+int peermem_reg_cache_create(size_t size, size_t align)
+{
+	peermem_reg_cache = kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);
+	return peermem_reg_cache ? 0 : -ENOMEM;
+}
+
+void peermem_reg_cache_destroy(void)
+{
+	kmem_cache_destroy(peermem_reg_cache);
+	peermem_reg_cache = NULL;
+}
+
+void *peermem_reg_alloc(void)
+{
+	return kmem_cache_alloc(peermem_reg_cache, GFP_KERNEL);
+}
+
+void peermem_reg_free(void *obj)
+{
+	kmem_cache_free(peermem_reg_cache, obj);
+}
+
+static LLIST_HEAD(peermem_reap_list);
+
 static void peermem_reap_fn(struct work_struct *work)
 {
-	peermem_reap_run();
+	struct llist_node *node, *next;
+
+	llist_for_each_safe(node, next, llist_del_all(&peermem_reap_list))
+		peermem_reap_one(node);
 }
 
 static DECLARE_WORK(peermem_reap_work, peermem_reap_fn);
 
-bool peermem_reap_kick(struct workqueue_struct *wq)
+/* The first node on an empty list queues the work; it takes every node. */
+void peermem_reap_defer(struct llist_node *node)
 {
-	return queue_work(wq, &peermem_reap_work);
+	if (llist_add(node, &peermem_reap_list))
+		schedule_work(&peermem_reap_work);
+}
+
+/* Returns once the work neither runs nor is queued. */
+void peermem_reap_flush(void)
+{
+	flush_work(&peermem_reap_work);
 }
 
 /*
@@ -573,23 +604,8 @@ void peermem_drain_cancel(void)
  * kernel-internal header Rust cannot include). Modules loaded before this one
  * are found through /sys/module (the kset of our own kobject: module_kset is
  * not exported), later ones through a module notifier at MODULE_STATE_LIVE.
- * One mutex serialises the offers (the notifier chain runs callbacks
- * concurrently for modules going live together); Rust's state relies on it.
- * The notifier takes it around its call into Rust, so both sit here: static
- * C objects, live before the first offer, with nothing to pin.
+ * The offers are serialised in Rust (src/binding.rs's state lock).
  */
-static DEFINE_MUTEX(peermem_bind_mutex);
-
-void peermem_bind_lock(void)
-{
-	mutex_lock(&peermem_bind_mutex);
-}
-
-void peermem_bind_unlock(void)
-{
-	mutex_unlock(&peermem_bind_mutex);
-}
-
 static const char *peermem_symbol_name(const struct kernel_symbol *sym)
 {
 #ifdef CONFIG_HAVE_ARCH_PREL32_RELOCATIONS
@@ -640,11 +656,8 @@ struct module *peermem_exporter(const char *name)
 
 static int peermem_module_event(struct notifier_block *nb, unsigned long state, void *data)
 {
-	if (state != MODULE_STATE_LIVE || data == THIS_MODULE)
-		return NOTIFY_DONE;
-	peermem_bind_lock();
-	peermem_module_live(data);
-	peermem_bind_unlock();
+	if (state == MODULE_STATE_LIVE && data != THIS_MODULE)
+		peermem_module_live(data);
 	return NOTIFY_DONE;
 }
 
@@ -661,12 +674,6 @@ int peermem_watch_modules(void)
 void peermem_unwatch_modules(void)
 {
 	unregister_module_notifier(&peermem_module_nb);
-}
-
-/* The exact-size cache of registration objects (src/registration/refs.rs). */
-struct kmem_cache *peermem_reg_cache_create(size_t size, size_t align)
-{
-	return kmem_cache_create("nvidia_peermem_reg", size, align, 0, NULL);
 }
 
 static u32 peermem_pci_id(struct pci_dev *pdev)
@@ -839,27 +846,6 @@ void peermem_gate_candidate_put(struct pci_dev *pdev)
 	pci_dev_put(pdev);
 }
 
-/* Whether peermem_gate_candidate may find one (no device is locked). */
-bool peermem_gate_peer_exists(u64 gpu_phys, bool near)
-{
-	struct resource *bar;
-	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev = NULL;
-	bool found = false;
-
-	if (!gpu)
-		return false;
-	for_each_pci_dev(pdev) {
-		if (pdev != gpu && (peermem_rdma_peer(pdev, 0) || peermem_rdma_peer(pdev, 1)) &&
-		    peermem_common_bridge(gpu, pdev) == near) {
-			found = true;
-			pci_dev_put(pdev);
-			break;
-		}
-	}
-	pci_dev_put(gpu);
-	return found;
-}
-
 /*
  * What the GPU driver's topology rule reads of the platform (src/path.rs
  * Platform), observed as RM observes it (docs/design.md, "The topology
@@ -982,15 +968,6 @@ bool peermem_ratelimit(void)
 	return __ratelimit(&rs);
 }
 
-/* The upstream path of the PCI device behind @dev. 0 or -ENODEV. */
-int peermem_chain_of(struct device *dev, struct peermem_chain *out)
-{
-	if (!dev || !dev_is_pci(dev))
-		return -ENODEV;
-	peermem_fill_chain(to_pci_dev(dev), out);
-	return 0;
-}
-
 /*
  * The name of process @tgid (a pid of the initial namespace, as task->pid),
  * TASK_COMM_LEN bytes, NUL-padded; all zero when it has exited.
@@ -1007,11 +984,18 @@ void peermem_comm_of(u32 tgid, char *comm)
 	rcu_read_unlock();
 }
 
-/* How the IOMMU treats @dev's DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other. */
-int peermem_iommu_kind(struct device *dev)
+/*
+ * The upstream path of the PCI device behind @dev, and how the IOMMU treats
+ * its DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other; or -ENODEV.
+ */
+int peermem_chain_of(struct device *dev, struct peermem_chain *out)
 {
-	struct iommu_domain *d = iommu_get_domain_for_dev(dev);
+	struct iommu_domain *d;
 
+	if (!dev || !dev_is_pci(dev))
+		return -ENODEV;
+	peermem_fill_chain(to_pci_dev(dev), out);
+	d = iommu_get_domain_for_dev(dev);
 	if (!d)
 		return 0;
 	switch (d->type) {
@@ -1058,36 +1042,6 @@ bool peermem_dbg_on(void)
 	return peermem_dbg(NULL);
 }
 
-#define PEERMEM_LAYOUT(type, field, off) \
-	static_assert(offsetof(type, field) == (off), #type "." #field " moved")
-
 static_assert(sizeof(struct peermem_hop) == 8);
 static_assert(sizeof(struct peermem_chain) == 16 + 16 * 8);
-PEERMEM_LAYOUT(struct peermem_chain, hops, 16);
-
-static_assert(sizeof(struct peer_memory_client) == 136);
-PEERMEM_LAYOUT(struct peer_memory_client, version, 64);
-PEERMEM_LAYOUT(struct peer_memory_client, acquire, 80);
-PEERMEM_LAYOUT(struct peer_memory_client, get_pages, 88);
-PEERMEM_LAYOUT(struct peer_memory_client, dma_map, 96);
-PEERMEM_LAYOUT(struct peer_memory_client, dma_unmap, 104);
-PEERMEM_LAYOUT(struct peer_memory_client, put_pages, 112);
-PEERMEM_LAYOUT(struct peer_memory_client, get_page_size, 120);
-PEERMEM_LAYOUT(struct peer_memory_client, release, 128);
-static_assert(sizeof(struct peer_memory_client_ex) == 152);
-PEERMEM_LAYOUT(struct peer_memory_client_ex, ex_size, 136);
-PEERMEM_LAYOUT(struct peer_memory_client_ex, flags, 144);
-
-static_assert(sizeof(struct nvidia_p2p_page) == 32);
-PEERMEM_LAYOUT(struct nvidia_p2p_page, physical_address, 0);
-PEERMEM_LAYOUT(struct nvidia_p2p_page_table, version, 0);
-PEERMEM_LAYOUT(struct nvidia_p2p_page_table, page_size, 4);
-PEERMEM_LAYOUT(struct nvidia_p2p_page_table, pages, 8);
-PEERMEM_LAYOUT(struct nvidia_p2p_page_table, entries, 16);
-PEERMEM_LAYOUT(struct nvidia_p2p_page_table, gpu_uuid, 24);
-static_assert(sizeof(struct nvidia_p2p_dma_mapping) == 40);
-PEERMEM_LAYOUT(struct nvidia_p2p_dma_mapping, version, 0);
-PEERMEM_LAYOUT(struct nvidia_p2p_dma_mapping, page_size_type, 4);
-PEERMEM_LAYOUT(struct nvidia_p2p_dma_mapping, entries, 8);
-PEERMEM_LAYOUT(struct nvidia_p2p_dma_mapping, dma_addresses, 16);
-PEERMEM_LAYOUT(struct nvidia_p2p_dma_mapping, pci_dev, 32);
+static_assert(offsetof(struct peermem_chain, hops) == 16);

@@ -6,7 +6,7 @@
 //! Why: the core calls `dma_map` with the registration's mapping lock held,
 //! and the GPU driver takes its API lock inside `nvidia_p2p_dma_map_pages`,
 //! while it holds that same lock around the free callback, whose invalidate
-//! waits for the mapping lock (real-driver-behaviour.md, facts 1-3, 12-13).
+//! waits for the mapping lock (docs/driver-facts.md, facts 1-3, 12-13).
 //! Mapping the BAR pages ourselves takes no lock of the GPU driver's, so a
 //! free racing a registration cannot deadlock. It maps what the driver would
 //! (`dma_map_resource` of the BAR bus addresses, fact 4), but one mapping per
@@ -42,6 +42,7 @@ use crate::{
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
     sg::{
+        self,
         SgSlot,
         SgTable, //
     },
@@ -80,13 +81,9 @@ impl RunIova {
         // Runs are bounded to `u32::MAX` bytes (`Runs`).
         let len = u32::try_from(run.len).map_err(|_| EINVAL)?;
         let mut iova = 0u64;
-        let (d, addr) = (dev.as_ptr(), run.addr);
         // SAFETY: a live device; `run` stays pinned (caller).
         kernel::error::to_result(unsafe {
-            match coherent {
-                false => ffi::peermem_map_bar(d, addr, run.len, &mut iova),
-                true => ffi::peermem_map_coherent(d, addr, run.len, &mut iova),
-            }
+            ffi::peermem_map_run(dev.as_ptr(), run.addr, run.len, coherent, &mut iova)
         })?;
         // INVARIANT: mapped just above, undone by `drop`.
         Ok(Self {
@@ -109,14 +106,9 @@ impl RunIova {
 impl Drop for RunIova {
     fn drop(&mut self) {
         let (d, len) = (self.dev.as_ptr(), u64::from(self.len));
-        // SAFETY: mapped for `dev` by the call matching `coherent`, undone
-        // once (type invariant).
-        unsafe {
-            match self.coherent {
-                false => ffi::peermem_unmap_bar(d, self.iova, len),
-                true => ffi::peermem_unmap_coherent(d, self.iova, len),
-            }
-        }
+        // SAFETY: mapped for `dev` as `coherent` says, undone once (type
+        // invariant).
+        unsafe { ffi::peermem_unmap_run(d, self.iova, len, self.coherent) };
     }
 }
 
@@ -158,7 +150,7 @@ impl BarMapping {
     /// itself stays until the core unmaps or releases: a core may still read
     /// it until then. OFED 4.x walks it between `dma_map` and arming the
     /// invalidation notifier, when a free callback only marks the
-    /// registration and returns (real-driver-behaviour.md, OFED 4.x
+    /// registration and returns (docs/driver-facts.md, OFED 4.x
     /// `mr_umem_get()` / `mlx5_ib_cont_pages()`); the ofed4 end-to-end mode
     /// uses it after the callback and KASAN reports it if it was freed.
     pub(crate) fn take_device_access(&mut self) -> Option<DeviceAccess> {
@@ -238,14 +230,13 @@ pub(crate) unsafe fn map(
     }
     // No page at all: no run.
     let last = last.ok_or(EINVAL)?;
-    if iovas.is_empty() {
-        // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(last.segment()) }?;
+    let segs = Iterator::chain(iovas.iter(), Some(&last)).map(RunIova::segment);
+    // SAFETY: the slot is this mapping's (caller).
+    let Some(sg) = unsafe { sg::build(slot, iovas.len() + 1, segs) }? else {
         // INVARIANT: the slot's entry is this run's.
         return Ok(BarMapping::Run(Some(last)));
-    }
+    };
     iovas.push(last, GFP_KERNEL)?;
-    let sg = SgTable::new(iovas.len(), iovas.iter().map(RunIova::segment))?;
     let iovas = Some(iovas);
     // INVARIANT: the scatterlist was built from exactly these runs.
     let map = KBox::new(BarMap { sg, iovas }, GFP_KERNEL)?;

@@ -19,7 +19,6 @@
 //! knows (`p2p`). A refusal is one log line; the module keeps waiting.
 
 use core::{
-    cell::UnsafeCell,
     fmt,
     ptr::NonNull, //
 };
@@ -79,57 +78,19 @@ struct State {
     drained: bool,
 }
 
-/// The state, behind the shim's binding lock.
-///
-/// # Invariants
-///
-/// The state is used only while `peermem_bind_lock` is held.
-struct Locked(UnsafeCell<State>);
-
-// SAFETY: every access holds the binding lock (type invariants).
-unsafe impl Sync for Locked {}
-
-static STATE: Locked = Locked(UnsafeCell::new(State {
-    persistent: true,
-    legacy: false,
-    core: None,
-    gpu: None,
-    clients: KVec::new(),
-    fence: None,
-    drained: false,
-}));
-
-/// The binding lock, held.
-struct Guard(());
-
-impl Guard {
-    fn lock() -> Self {
-        ffi::peermem_bind_lock();
-        Self(())
-    }
-
-    fn state(&mut self) -> &mut State {
-        // SAFETY: the lock is held while `self` lives; `&mut self` makes the
-        // borrow unique.
-        unsafe { locked_state() }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        ffi::peermem_bind_unlock();
-    }
-}
-
-/// The state.
-///
-/// # Safety
-///
-/// The binding lock must be held while the reference is used, and no other
-/// reference to the state may be live.
-unsafe fn locked_state<'a>() -> &'a mut State {
-    // SAFETY: under the lock, the only reference (caller).
-    unsafe { &mut *STATE.0.get() }
+kernel::sync::global_lock! {
+    /// The binding lock: the state, and the offers and drains it serialises.
+    // SAFETY: initialized by `Exporters::new`, the first step of the
+    // module's init, before the module notifier or anything else locks it.
+    unsafe(uninit) static STATE: Mutex<State> = State {
+        persistent: true,
+        legacy: false,
+        core: None,
+        gpu: None,
+        clients: KVec::new(),
+        fence: None,
+        drained: false,
+    };
 }
 
 /// What the module waits for, as `stats/waiting_for` says it.
@@ -168,7 +129,7 @@ impl kernel::fmt::Display for Missing<'_> {
 
 /// `stats/waiting_for`: `nothing` once the clients registered.
 pub(crate) fn waiting() -> &'static str {
-    waiting_for(Guard::lock().state())
+    waiting_for(&STATE.lock())
 }
 
 /// A module's name, for the log.
@@ -223,15 +184,15 @@ pub(crate) fn driver_version_ok(v: &[u8]) -> bool {
 
 /// Binds the GPU driver's entry points from `m`, if it exports them and
 /// passes the checks.
-fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
-    let Some(a) = addresses(&m, &P2P_NAMES) else {
+fn bind_gpu(st: &mut State, m: &ModuleRef) -> bool {
+    let Some(a) = addresses(m, &P2P_NAMES) else {
         return false;
     };
     let version = m.version().map_or(&b""[..], |v| v.to_bytes());
     if !driver_version_ok(version) {
         pr_err!(
             "refused the GPU driver in module {}: version '{}' is not one this module knows (R{} or later, MAJOR.MINOR[.PATCH]); waiting for another\n",
-            name(&m),
+            name(m),
             core::str::from_utf8(version).unwrap_or("?"),
             DRIVER_MAJOR_MIN,
         );
@@ -253,13 +214,13 @@ fn bind_gpu(st: &mut State, m: ModuleRef) -> bool {
     // `None`), before any client registered; `m` is held until the table is
     // retracted (`finish_drain`) or the module exits.
     unsafe { exports::P2P.publish(table) };
-    st.gpu = Some(m);
+    st.gpu = Some(m.clone());
     true
 }
 
 /// Binds the core's entry points from `m`, if it exports them.
-fn bind_core(st: &mut State, m: ModuleRef) -> bool {
-    let Some(a) = addresses(&m, &CORE_NAMES) else {
+fn bind_core(st: &mut State, m: &ModuleRef) -> bool {
+    let Some(a) = addresses(m, &CORE_NAMES) else {
         return false;
     };
     // SAFETY: each address is the function `m` exports under the name
@@ -274,30 +235,15 @@ fn bind_core(st: &mut State, m: ModuleRef) -> bool {
     // `None`), before any client registered; `m` is held until the table is
     // retracted (`finish_drain`) or the module exits.
     unsafe { exports::CORE.publish(table) };
-    st.core = Some(m);
+    st.core = Some(m.clone());
     true
 }
 
-/// Offers `module` to what is not bound yet; whether it bound something.
-///
-/// # Safety
-///
-/// `module` must be valid for the call.
-unsafe fn offer(st: &mut State, module: NonNull<bindings::module>) -> bool {
-    let mut bound = false;
-    if st.gpu.is_none() {
-        // SAFETY: valid for the call (caller).
-        if let Some(m) = unsafe { ModuleRef::get(module) } {
-            bound |= bind_gpu(st, m);
-        }
-    }
-    if st.core.is_none() {
-        // SAFETY: valid for the call (caller).
-        if let Some(m) = unsafe { ModuleRef::get(module) } {
-            bound |= bind_core(st, m);
-        }
-    }
-    bound
+/// Offers `m` to what is not bound yet; whether it bound something.
+fn offer(st: &mut State, m: &ModuleRef) -> bool {
+    let gpu = st.gpu.is_none() && bind_gpu(st, m);
+    let core = st.core.is_none() && bind_core(st, m);
+    gpu || core
 }
 
 /// Registers the clients of the mode the parameters chose; returns them and
@@ -335,38 +281,32 @@ fn register(st: &mut State) -> Result<Option<&'static str>> {
     Ok(Some(text))
 }
 
-/// A module went live (the module notifier, through the shim, under the
-/// binding lock): binds what it exports and registers once both are bound.
+/// A module went live (the module notifier, through the shim): binds what
+/// it exports and registers once both are bound. The state's lock
+/// serialises the offers (the notifier chain runs callbacks concurrently
+/// for modules going live together).
 ///
 /// # Safety
 ///
-/// `module` must be a live module, valid for the call; the binding lock
-/// must be held.
+/// `module` must be a live module, valid for the call.
 #[no_mangle]
 unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
-    // SAFETY: the shim calls with the binding lock held, and nothing else
-    // holds a reference to the state (caller).
-    let st = unsafe { locked_state() };
-    let Some(module) = NonNull::new(module) else {
+    let st = &mut *STATE.lock();
+    // SAFETY: valid for the call (caller).
+    let Some(m) = NonNull::new(module).and_then(|module| unsafe { ModuleRef::get(module) }) else {
         return;
     };
     if st.drained {
-        // SAFETY: valid for the call (caller).
-        if unsafe { exports_an_api(module) } {
+        if exports_an_api(&m) {
             resume(st, "a module it binds to came back");
         }
         return;
     }
-    // SAFETY: valid for the call (caller).
-    if !unsafe { offer(st, module) } {
+    if !offer(st, &m) {
         return;
     }
     let registered = register(st);
-    let from = [&st.core, &st.gpu]
-        .into_iter()
-        .flatten()
-        .find(|m| m.is(module))
-        .map_or("?", name);
+    let from = name(&m);
     match registered {
         Ok(Some(text)) => pr_info!("registered with the peer-memory core: {text} (bound to module {from})\n"),
         Ok(None) => pr_info!("bound to module {from}; waiting for {}\n", Missing(st)),
@@ -375,19 +315,11 @@ unsafe extern "C" fn peermem_module_live(module: *mut bindings::module) {
     }
 }
 
-/// Whether `module` exports the core's or the GPU driver's first entry
-/// point.
-///
-/// # Safety
-///
-/// `module` must be valid for the call.
-unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
-    // SAFETY: valid for the call (caller).
-    unsafe { ModuleRef::get(module) }.is_some_and(|m| {
-        [P2P_NAMES[0], CORE_NAMES[0]]
-            .iter()
-            .any(|n| !m.export(n).is_null())
-    })
+/// Whether `m` exports the core's or the GPU driver's first entry point.
+fn exports_an_api(m: &ModuleRef) -> bool {
+    [P2P_NAMES[0], CORE_NAMES[0]]
+        .iter()
+        .any(|n| !m.export(n).is_null())
 }
 
 /// Binds what is live and registers if both are; says so (`why`: the
@@ -395,8 +327,7 @@ unsafe fn exports_an_api(module: NonNull<bindings::module>) -> bool {
 fn bind_live(st: &mut State, why: fmt::Arguments<'_>) -> Result {
     for key in [P2P_NAMES[0], CORE_NAMES[0]] {
         if let Some(m) = ModuleRef::exporter(key) {
-            // SAFETY: `m` holds a reference to the module for the call.
-            unsafe { offer(st, m.module()) };
+            offer(st, &m);
         }
     }
     match register(st)? {
@@ -424,13 +355,13 @@ fn resume(st: &mut State, why: &str) {
 
 /// `drain` = 0: ends a drain.
 pub(crate) fn end_drain() {
-    resume(Guard::lock().state(), "drain set to 0");
+    resume(&mut STATE.lock(), "drain set to 0");
 }
 
 /// `drain` = 1: from now on new registrations are refused. Whether the
 /// module was draining already.
 pub(crate) fn start_drain() -> bool {
-    let _g = Guard::lock();
+    let _g = STATE.lock();
     let was = registry::draining();
     registry::set_draining(true);
     was
@@ -441,8 +372,7 @@ pub(crate) fn start_drain() -> bool {
 /// and the GPU driver's modules, which can then be unloaded. Whether the
 /// module is drained.
 pub(crate) fn finish_drain() -> bool {
-    let mut g = Guard::lock();
-    let st = g.state();
+    let st = &mut *STATE.lock();
     if st.drained || !registry::draining() || registry::live_count() != 0 {
         return st.drained;
     }
@@ -482,9 +412,8 @@ impl Binding {
         kernel::error::to_result(ffi::peermem_watch_modules())?;
         // INVARIANT: registered just above.
         let this = Self(());
-        let mut g = Guard::lock();
         let version = env!("PEERMEM_VERSION");
-        bind_live(g.state(), format_args!("version {version} loaded"))?;
+        bind_live(&mut STATE.lock(), format_args!("version {version} loaded"))?;
         Ok(this)
     }
 }
@@ -496,8 +425,7 @@ impl Drop for Binding {
         ffi::peermem_unwatch_modules();
         ffi::peermem_drain_cancel();
         let (clients, fence) = {
-            let mut g = Guard::lock();
-            let st = g.state();
+            let st = &mut *STATE.lock();
             (core::mem::take(&mut st.clients), st.fence.take())
         };
         // The clients unregister (the core waits for their registrations),
@@ -512,10 +440,12 @@ impl Drop for Binding {
 pub(crate) struct Exporters(());
 
 impl Exporters {
-    /// Records the mode the clients will register in.
+    /// Initializes the state's lock; records the mode the clients will
+    /// register in.
     pub(crate) fn new(persistent: bool, legacy: bool) -> Self {
-        let mut g = Guard::lock();
-        let st = g.state();
+        // SAFETY: once, at the module's init, before anything locks it.
+        unsafe { STATE.init() };
+        let st = &mut *STATE.lock();
         st.persistent = persistent;
         st.legacy = legacy;
         Self(())
@@ -524,8 +454,7 @@ impl Exporters {
 
 impl Drop for Exporters {
     fn drop(&mut self) {
-        let mut g = Guard::lock();
-        let st = g.state();
+        let st = &mut *STATE.lock();
         drop(st.gpu.take());
         drop(st.core.take());
     }

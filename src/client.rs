@@ -159,7 +159,7 @@ impl Drop for CoreRegistration {
 /// The registration behind `ctx`, as the client `INV` was called for it.
 ///
 /// OFED's core calls a registration only through the client whose `acquire`
-/// made it: it keeps that client with the umem (real-driver-behaviour.md,
+/// made it: it keeps that client with the umem (docs/driver-facts.md,
 /// facts 11 to 14). This is checked rather than trusted, as the C module's
 /// shared context tolerates a core that mixes the two: one compare of the
 /// registration's mode per call; a crossed call is served as the

@@ -66,12 +66,6 @@ impl Iterator for Coalescer<'_> {
     }
 }
 
-/// Number of segments `Coalescer::new(addrs, page, max_seg)` yields.
-#[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-pub(crate) fn count(addrs: &[u64], page: u64, max_seg: u64) -> usize {
-    Coalescer::new(addrs, page, max_seg).count()
-}
-
 /// Segments of `n` pages whose addresses a function gives (for tables whose
 /// addresses are not laid out in one slice, such as the provider's page
 /// pointers): the same merging rules as [`Coalescer`].

@@ -150,15 +150,17 @@ impl ModuleRef {
         // SAFETY: as above: NUL-terminated while the module stays.
         (!v.is_null()).then(|| unsafe { CStr::from_char_ptr(v) })
     }
+}
 
-    /// The module.
-    pub(crate) fn module(&self) -> NonNull<bindings::module> {
-        self.module
-    }
-
-    /// Whether `self` is `module`.
-    pub(crate) fn is(&self, module: NonNull<bindings::module>) -> bool {
-        self.module == module
+impl Clone for ModuleRef {
+    fn clone(&self) -> Self {
+        // SAFETY: the module stays while referenced (type invariants), so
+        // another reference may be taken unconditionally.
+        unsafe { bindings::__module_get(self.module.as_ptr()) };
+        // INVARIANT: the reference was taken above.
+        Self {
+            module: self.module,
+        }
     }
 }
 

@@ -9,13 +9,12 @@
 use kernel::{
     bindings::{
         device,
-        kmem_cache,
         kobject,
         list_head,
+        llist_node,
         module,
         pci_dev,
-        refcount_t,
-        workqueue_struct, //
+        refcount_t, //
     },
     ffi::{
         c_char,
@@ -68,37 +67,40 @@ unsafe extern "C" {
     pub(crate) fn peermem_dbg(msg: *const c_char) -> bool;
     /// Whether the module's dynamic-debug call site is enabled.
     pub(crate) safe fn peermem_dbg_on() -> bool;
-    /// `dma_map_resource` of a peer's BAR range for `dev`: 0 and the DMA
-    /// address in `dma`, or -EIO.
-    pub(crate) fn peermem_map_bar(dev: *mut device, phys: u64, len: u64, dma: *mut u64) -> c_int;
-    /// Undoes [`peermem_map_bar`].
-    pub(crate) fn peermem_unmap_bar(dev: *mut device, dma: u64, len: u64);
-    /// `dma_map_phys` of coherent (C2C) GPU memory for `dev`, as memory and
+    /// Maps a run of GPU memory for `dev`: `dma_map_resource` of a peer's
+    /// BAR range, or `dma_map_phys` of `coherent` (C2C) memory as memory,
     /// only without bounce buffers or cache maintenance
-    /// (`DMA_ATTR_REQUIRE_COHERENT`): 0 and the DMA address in `dma`, -EIO,
-    /// or -EOPNOTSUPP where the kernel has no such mapping.
-    pub(crate) fn peermem_map_coherent(
+    /// (`DMA_ATTR_REQUIRE_COHERENT`). 0 and the DMA address in `dma`, -EIO,
+    /// or -EOPNOTSUPP where the kernel has no such coherent mapping.
+    pub(crate) fn peermem_map_run(
         dev: *mut device,
         phys: u64,
         len: u64,
+        coherent: bool,
         dma: *mut u64,
     ) -> c_int;
-    /// Undoes [`peermem_map_coherent`].
-    pub(crate) fn peermem_unmap_coherent(dev: *mut device, dma: u64, len: u64);
+    /// Undoes [`peermem_map_run`].
+    pub(crate) fn peermem_unmap_run(dev: *mut device, dma: u64, len: u64, coherent: bool);
     /// Registers the bus notifier that calls `accounting`'s
     /// `peermem_device_unbound` when a PCI device loses its driver.
     pub(crate) safe fn peermem_watch_devices() -> c_int;
     /// Unregisters it; returns once no notification runs.
     pub(crate) safe fn peermem_unwatch_devices();
-    /// A workqueue of this module, or NULL.
-    pub(crate) safe fn peermem_wq_alloc() -> *mut workqueue_struct;
-    /// Drains and frees a queue from [`peermem_wq_alloc`].
-    pub(crate) fn peermem_wq_destroy(wq: *mut workqueue_struct);
-    /// Queues the module's reap work (`reaper::peermem_reap_run`) on `wq`;
-    /// false if it was pending already.
-    pub(crate) fn peermem_reap_kick(wq: *mut workqueue_struct) -> bool;
-    /// A slab cache for objects of `size` bytes aligned to `align`, or NULL.
-    pub(crate) safe fn peermem_reg_cache_create(size: usize, align: usize) -> *mut kmem_cache;
+    /// Creates the module's cache of objects of `size` bytes aligned to
+    /// `align`. 0 or -ENOMEM.
+    pub(crate) safe fn peermem_reg_cache_create(size: usize, align: usize) -> c_int;
+    /// Destroys it; every object must be back.
+    pub(crate) fn peermem_reg_cache_destroy();
+    /// An object of the module's cache (which exists while the core can
+    /// call us), or NULL.
+    pub(crate) safe fn peermem_reg_alloc() -> *mut c_void;
+    /// Returns an object to the module's cache.
+    pub(crate) fn peermem_reg_free(obj: *mut c_void);
+    /// `llist_add` of `node` to the reap list, and queues the work that
+    /// hands each node to `revoke::peermem_reap_one`.
+    pub(crate) fn peermem_reap_defer(node: *mut llist_node);
+    /// Returns once the reap work neither runs nor is queued.
+    pub(crate) safe fn peermem_reap_flush();
     /// The PCI device whose memory BAR holds `phys`: its path up, and the
     /// BAR's first and last byte. 0 or -ENODEV.
     pub(crate) safe fn peermem_gpu_by_phys(
@@ -107,11 +109,9 @@ unsafe extern "C" {
         bar_start: &mut u64,
         bar_end: &mut u64,
     ) -> c_int;
-    /// The path up of the PCI device behind `dev`. 0 or -ENODEV.
+    /// The path up of the PCI device behind `dev`, and how an IOMMU treats
+    /// its DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ, 4 other; or -ENODEV.
     pub(crate) fn peermem_chain_of(dev: *mut device, out: *mut PeermemChain) -> c_int;
-    /// How an IOMMU treats `dev`'s DMA: 0 none, 1 identity, 2 DMA, 3 DMA-FQ,
-    /// 4 other.
-    pub(crate) fn peermem_iommu_kind(dev: *mut device) -> c_int;
     /// The calling process's name into a 16-byte buffer.
     pub(crate) safe fn peermem_comm_of(tgid: u32, comm: &mut [c_char; 16]);
     /// The `skip`-th PCI device the GPU driver's topology gate can be asked
@@ -130,9 +130,6 @@ unsafe extern "C" {
         skip: c_uint,
         busy: &mut bool,
     ) -> *mut pci_dev;
-    /// Whether [`peermem_gate_candidate`] may find a device of the kind
-    /// (none is locked: a hint, rechecked there).
-    pub(crate) safe fn peermem_gate_peer_exists(gpu_phys: u64, near: bool) -> bool;
     /// What the GPU driver's topology rule reads of the platform, for the
     /// GPU whose BAR holds `gpu_phys`: [`PEERMEM_PASSTHROUGH`],
     /// [`PEERMEM_FLAGGED_CHIPSET`].
@@ -163,17 +160,13 @@ unsafe extern "C" {
     /// `stats/paths` (3), with the files of its kind; NULL on failure.
     /// `kobject_put` removes it.
     pub(crate) fn peermem_dir_add(kind: c_uint, name: *const c_char) -> *mut kobject;
-    /// Takes the lock that serialises `binding`'s offers and state.
-    pub(crate) safe fn peermem_bind_lock();
-    /// Releases it.
-    pub(crate) safe fn peermem_bind_unlock();
     /// The address `module` (referenced) exports as `name`, or NULL.
     pub(crate) fn peermem_module_export(module: *mut module, name: *const c_char) -> *mut c_void;
     /// The live module, not this one, that exports `name`, with a reference
     /// for the caller; or NULL.
     pub(crate) fn peermem_exporter(name: *const c_char) -> *mut module;
     /// Registers the module notifier that offers each module going live to
-    /// `binding::peermem_module_live`, under the binding lock. 0 or an errno.
+    /// `binding::peermem_module_live`. 0 or an errno.
     pub(crate) safe fn peermem_watch_modules() -> c_int;
     /// Unregisters it; returns once no notification runs.
     pub(crate) safe fn peermem_unwatch_modules();

@@ -17,12 +17,18 @@
 //! the lifecycle (`Option::take`, so at most once) as it leaves the phases
 //! that hold it, and hands it to the caller, so "the table is used only while
 //! pinned" and "the callback's reference is reclaimed at most once, and only
-//! when the callback can no longer run" hold; [`Lifecycle::consistent`]
+//! when the callback can no longer run" hold; `Lifecycle::consistent`
 //! checks the table after every call in the KUnit suites, the proptest model
 //! and the loom model.
 //!
 //! The module and the host model checker (loom, proptest) compile this very
 //! file, with kernel objects or with plain markers as the resources.
+
+// What only the KUnit suites and the host model checker use: the phase, the
+// invariant's check, and the step the module folds into `pinning`.
+#[cfg(any(test, CONFIG_KUNIT = "y"))]
+#[path = "lifecycle/check.rs"]
+mod check;
 
 /// How a registration's pages are pinned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,7 +192,7 @@ pub(crate) enum Unpinned {
 /// these fields, or the caller a transition handed it to. A token leaves
 /// the lifecycle only to be reclaimed after an unpin the callback did not
 /// race, or to be dropped when the callback consumes its reference.
-/// [`Lifecycle::consistent`] checks the table (the KUnit suites and the host
+/// `Lifecycle::consistent` checks the table (the KUnit suites and the host
 /// model checker call it after every transition).
 pub(crate) struct Lifecycle<R: Resources> {
     phase: Phase,
@@ -218,14 +224,14 @@ impl<R: Resources> Lifecycle<R> {
     }
 
     /// A fresh registration about to pin once it is shared (the same as
-    /// [`Lifecycle::new`] then [`Lifecycle::start_pin`]).
+    /// [`Lifecycle::new`] then `start_pin`).
     pub(crate) const fn pinning() -> Self {
         Self::empty(Phase::Pinning)
     }
 
     /// A registration pinned before it was shared: a persistent pin, which
     /// no free callback can reach, made before the object that holds this
-    /// lifecycle (the same as [`Lifecycle::start_pin`] then
+    /// lifecycle (the same as `Lifecycle::start_pin` then
     /// [`Lifecycle::pin_succeeded`] on a fresh one).
     pub(crate) fn with_pin(pin: Pin<R>) -> Self {
         let mut lc = Self::empty(Phase::Pinned);
@@ -238,37 +244,6 @@ impl<R: Resources> Lifecycle<R> {
         self.table = Some(pin.table);
         self.token = pin.token;
         self.owner = pin.owner;
-    }
-
-    /// The current phase.
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn phase(&self) -> Phase {
-        self.phase
-    }
-
-    /// Whether the objects held match the phase (the type's invariant).
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn consistent(&self) -> bool {
-        let (table, core, map) = (self.table.is_some(), self.core != 0, self.map.is_some());
-        let token = self.token.is_some();
-        match self.phase {
-            Phase::Acquired | Phase::Pinning | Phase::Released => !table && !token && !core && !map,
-            Phase::Unpinning => !table && !core && !map,
-            Phase::Pinned | Phase::Unusable => table && !core && !map,
-            Phase::Bound | Phase::Mapping => table && !map,
-            Phase::Mapped => table && map,
-            Phase::Revoked => !table && !token && !core,
-            Phase::Drained => table && token,
-            Phase::Stranded => !table && token && !core && !map,
-            Phase::Orphaned => table && token && !core && !map,
-        }
-    }
-
-    /// Whether the provider still holds an armed callback's reference that
-    /// this lifecycle tracks.
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn callback_armed(&self) -> bool {
-        self.token.is_some()
     }
 
     fn refuse(&self) -> Refusal {
@@ -287,13 +262,6 @@ impl<R: Resources> Lifecycle<R> {
         }
         self.phase = to;
         Ok(())
-    }
-
-    /// `acquire` is about to pin (the module makes its registrations with
-    /// [`Lifecycle::pinning`] or [`Lifecycle::with_pin`] instead).
-    #[allow(dead_code)] // Used by the KUnit suites and the host model checker.
-    pub(crate) fn start_pin(&mut self) -> Result<(), Refusal> {
-        self.step(Phase::Acquired, Phase::Pinning)
     }
 
     /// The provider refused to pin.
@@ -515,7 +483,7 @@ impl<R: Resources> Lifecycle<R> {
         if self.owner != tgid {
             // The GPU driver looks a non-persistent pin up by the caller's
             // process: from another one its unpin "succeeds" and does nothing
-            // (real-driver-behaviour.md, fact 7). Leave the pin and the token
+            // (docs/driver-facts.md, fact 7). Leave the pin and the token
             // to the callback.
             self.phase = Phase::Orphaned;
             return Release {

@@ -98,10 +98,10 @@ unsafe impl Send for DmaMapping {}
 /// Waits, at module exit, for every free callback that may still be running
 /// this module's code.
 ///
-/// A free callback hands its reference to the reap queue and then still
+/// A free callback hands its reference to the reap list and then still
 /// has to return; if that reference was the last, the module can be unloaded
 /// in between. The callback runs under the GPU driver's RM API lock, and every
-/// p2p entry point takes that lock first (real-driver-behaviour.md, facts 1
+/// p2p entry point takes that lock first (docs/driver-facts.md, facts 1
 /// and 2): so one call that enters RM after the last module reference is gone
 /// returns only when every callback in flight has returned to RM. The call is
 /// a persistent pin of address 0, which is never GPU memory: RM takes the lock,
@@ -303,7 +303,7 @@ impl PageTable {
     /// callback and returns 0 if the callback already unlinked it. What a
     /// return of 0 does not prove: the provider finds the pin by the
     /// *caller's process* and also returns 0, unpinning nothing, when called
-    /// from another one (real-driver-behaviour.md, fact 7); and an error
+    /// from another one (docs/driver-facts.md, fact 7); and an error
     /// leaves the pin and its callback armed (fact 8). Only a 0 from the
     /// pinning process means the callback has run or never will.
     ///

@@ -148,7 +148,7 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
     }
 }
 
-/// What the GPU driver's topology gate (real-driver-behaviour.md, fact 5)
+/// What the GPU driver's topology gate (docs/driver-facts.md, fact 5)
 /// answers for one kind of a GPU's peers, as this module learnt it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {

@@ -77,8 +77,8 @@ const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 /// unregister (the core waits for their registrations, which hold module
 /// references, so none is left), then the free callbacks still returning are
 /// waited for (through the GPU driver's lock, see [`p2p::CallbackFence`]),
-/// all in [`binding::Binding`]; then the reap queue drains (a free
-/// callback's last drop may still be returning from its work), then the
+/// all in [`binding::Binding`]; then the reap work is flushed (a free
+/// callback's last drop may still be returning from it), then the
 /// statistics go, and last the references to the core's and the GPU
 /// driver's modules.
 struct NvidiaPeermem {
@@ -87,7 +87,7 @@ struct NvidiaPeermem {
     // After the views: no callback can be armed once it is gone; before the
     // reaper: the callbacks that handed it references have returned.
     _binding: binding::Binding,
-    _reaper: registration::refs::ReapQueue,
+    _reaper: registration::refs::ReapFlush,
     // After the clients and the reaper: no registration is charged any more.
     _watch: accounting::Watch,
     // After the clients and the reaper: no registration is left by then.
@@ -124,7 +124,7 @@ impl NvidiaPeermem {
         // First: on a failed load, dropped last.
         let exporters = binding::Exporters::new(persistent, legacy);
         let cache = registration::RegCache::new::<registration::Registration>()?;
-        let reaper = registration::refs::ReapQueue::new()?;
+        let reaper = registration::refs::ReapFlush;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;

@@ -15,6 +15,7 @@ use crate::{
     peer_device::PeerDevice,
     range::GPU_PAGE_SIZE,
     sg::{
+        self,
         SgSlot,
         SgTable, //
     },
@@ -153,23 +154,14 @@ pub(crate) unsafe fn map(
 ) -> Result<ProviderMapping> {
     // SAFETY: pinned as long (caller).
     let run = unsafe { driver_map(table, entries, peer, at) }?;
-    let (addrs, max_seg) = (run.addresses(), peer.max_segment());
-    let first = Coalescer::new(addrs, GPU_PAGE_SIZE, max_seg)
-        .next()
-        .ok_or(EINVAL)?;
-    // Pages after the first segment: each starts at most one more segment.
-    let rest = addrs.len() - (first.len / GPU_PAGE_SIZE) as usize;
-    if rest == 0 {
-        // SAFETY: the slot is this mapping's (caller).
-        unsafe { slot.fill(first) }
-            .map_err(|e| fail!(at at; Cause::NoMemory, e, "cannot build the scatterlist"))?;
+    let segs = Coalescer::new(run.addresses(), GPU_PAGE_SIZE, peer.max_segment());
+    // One entry per page at most, as many as the C module allocates.
+    // SAFETY: the slot is this mapping's (caller).
+    let sg = unsafe { sg::build(slot, entries as usize, segs) }
+        .map_err(|e| fail!(at at; Cause::NoMemory, e, "cannot build the scatterlist"))?;
+    let Some(sg) = sg else {
         return Ok(ProviderMapping::Run { _run: run });
-    }
-    // One pass over the addresses: the table is sized for one entry per
-    // page left (as many as the C module allocates), filled as the
-    // segments are found.
-    let sg = SgTable::coalesced(rest + 1, addrs, GPU_PAGE_SIZE, max_seg)
-        .map_err(|e| fail!(at at; Cause::NoMemory, e, "cannot allocate the scatterlist"))?;
+    };
     let runs = KBox::new(ProviderRuns { _run: run, sg }, GFP_KERNEL).map_err(
         |e| fail!(at at; Cause::NoMemory, Error::from(e), "cannot allocate the scatterlist"),
     )?;

@@ -15,10 +15,7 @@ use kernel::{
     types::Opaque, //
 };
 
-use crate::coalesce::{
-    Coalescer,
-    Segment, //
-};
+use crate::coalesce::Segment;
 
 /// Describes the DMA range `seg` in the entry `sg`.
 ///
@@ -92,7 +89,10 @@ impl SgSlot {
 /// `table` was set up by `sg_alloc_table` for `orig_nents` entries, two or
 /// more, and is freed exactly once, on drop. Its first `nents` entries (at
 /// most `orig_nents`) carry the DMA fields of the mapping, the others are
-/// empty.
+/// empty. While the core holds the header, OFED's core adjusts the first
+/// and last entries' DMA address and lengths to the user's range (and
+/// restores them before `dma_unmap`): nothing here reads an entry back, and
+/// `sg_free_table` follows only the chain links, which it does not touch.
 pub(crate) struct SgTable {
     table: bindings::sg_table,
 }
@@ -112,34 +112,6 @@ impl SgTable {
         })?;
         // INVARIANT: set up by `sg_alloc_table`, freed on drop.
         Ok(Self { table })
-    }
-
-    /// Builds a table of exactly `n` entries, two or more, from `segs`,
-    /// which must yield `n` segments.
-    pub(crate) fn new(n: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
-        let mut this = Self::alloc(n)?;
-        if this.fill(segs)? != n {
-            return Err(EINVAL);
-        }
-        Ok(this)
-    }
-
-    /// Builds a table of at most `cap` entries (two or more) from the DMA
-    /// addresses of consecutive pages of `page` bytes, one entry per run of
-    /// contiguous pages (up to `segment_limit(max_seg, page)` bytes), in one
-    /// pass: the number of runs is only known once they are found. The
-    /// table's DMA view (`nents`) is the entries filled; the entries after
-    /// them stay empty and are freed with the rest, as after `dma_map_sg`
-    /// merged entries. The core reads `nents` entries.
-    pub(crate) fn coalesced(cap: usize, addrs: &[u64], page: u64, max_seg: u64) -> Result<Self> {
-        if addrs.is_empty() {
-            return Err(EINVAL);
-        }
-        let mut this = Self::alloc(cap)?;
-        let filled = this.fill(Coalescer::new(addrs, page, max_seg))?;
-        // At most `cap`, which fits a `u32` (checked by `alloc`).
-        this.table.nents = filled as u32;
-        Ok(this)
     }
 
     /// Fills the table's entries in order with `segs`; refuses more than
@@ -168,6 +140,32 @@ impl SgTable {
     pub(crate) fn header(&self) -> bindings::sg_table {
         self.table
     }
+}
+
+/// The scatterlist of `segs`, at most `cap` of them: one segment in `slot`
+/// (`None`: nothing allocated), several in a table of `cap` entries (two or
+/// more), found and filled in one pass. The table's DMA view (`nents`) is the
+/// entries filled; the entries after them stay empty and are freed with the
+/// rest, as after `dma_map_sg` merged entries. The core reads `nents` entries.
+///
+/// # Safety
+///
+/// As for [`SgSlot::fill`].
+pub(crate) unsafe fn build(
+    slot: &SgSlot,
+    cap: usize,
+    mut segs: impl Iterator<Item = Segment>,
+) -> Result<Option<SgTable>> {
+    let first = segs.next().ok_or(EINVAL)?;
+    let mut segs = segs.peekable();
+    if segs.peek().is_none() {
+        // SAFETY: as promised by the caller.
+        return unsafe { slot.fill(first) }.map(|()| None);
+    }
+    let mut t = SgTable::alloc(cap)?;
+    // At most `cap`, which fits a `u32` (checked by `alloc`).
+    t.table.nents = t.fill(Iterator::chain(core::iter::once(first), segs))? as u32;
+    Ok(Some(t))
 }
 
 impl Drop for SgTable {

@@ -83,7 +83,6 @@ mod range_tests {
 #[kunit_tests(nvidia_peermem_coalesce)]
 mod coalesce_tests {
     use crate::coalesce::{
-        count,
         Coalescer,
         Segment, //
     };
@@ -111,15 +110,15 @@ mod coalesce_tests {
     #[test]
     fn gap_splits() {
         let a = [0x1000_0000, 0x1001_0000, 0x2000_0000, 0x2001_0000];
-        assert_eq!(count(&a, P, 1 << 31), 2);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 2);
     }
 
     #[test]
     fn max_segment_bounds_runs() {
         let a = [0, P, 2 * P, 3 * P, 4 * P];
-        assert_eq!(count(&a, P, 2 * P), 3);
-        assert_eq!(count(&a, P, 2 * P + 1), 3);
-        assert_eq!(count(&a, P, 1), 5);
+        assert_eq!(Coalescer::new(&a, P, 2 * P).count(), 3);
+        assert_eq!(Coalescer::new(&a, P, 2 * P + 1).count(), 3);
+        assert_eq!(Coalescer::new(&a, P, 1).count(), 5);
     }
 
     #[test]
@@ -128,9 +127,9 @@ mod coalesce_tests {
         for i in 0..16384u64 {
             a.push(0x1_0000_0000 + i * P, GFP_KERNEL).unwrap();
         }
-        assert_eq!(count(&a, P, 1 << 31), 1);
-        assert_eq!(count(&a, P, 1 << 28), 4);
-        assert_eq!(count(&a, P, P), 16384);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 1);
+        assert_eq!(Coalescer::new(&a, P, 1 << 28).count(), 4);
+        assert_eq!(Coalescer::new(&a, P, P).count(), 16384);
     }
 
     #[test]
@@ -157,12 +156,12 @@ mod coalesce_tests {
     #[test]
     fn descending_addresses_do_not_merge() {
         let a = [3 * P, 2 * P, P];
-        assert_eq!(count(&a, P, 1 << 31), 3);
+        assert_eq!(Coalescer::new(&a, P, 1 << 31).count(), 3);
     }
 
     #[test]
     fn single_page() {
-        assert_eq!(count(&[0x4000_0000], P, 1 << 31), 1);
+        assert_eq!(Coalescer::new(&[0x4000_0000], P, 1 << 31).count(), 1);
     }
 }
 
@@ -1114,8 +1113,12 @@ mod p2p_tests {
 
 #[kunit_tests(nvidia_peermem_sg)]
 mod sg_tests {
-    use crate::coalesce::Segment;
+    use crate::coalesce::{
+        Coalescer,
+        Segment, //
+    };
     use crate::sg::{
+        self,
         SgSlot,
         SgTable, //
     };
@@ -1135,6 +1138,18 @@ mod sg_tests {
         t.header()
     }
 
+    /// The allocated table `sg::build` makes of several segments (a slot of
+    /// the call's own takes a single one, refused here).
+    fn table(cap: usize, segs: impl Iterator<Item = Segment>) -> Result<SgTable> {
+        let slot = SgSlot::new();
+        // SAFETY: the slot is this call's alone.
+        unsafe { sg::build(&slot, cap, segs) }?.ok_or(EINVAL)
+    }
+
+    fn coalesced(cap: usize, addrs: &[u64], page: u64, max_seg: u64) -> Result<SgTable> {
+        table(cap, Coalescer::new(addrs, page, max_seg))
+    }
+
     #[test]
     fn one_segment_lives_in_the_slot() -> Result {
         let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
@@ -1151,16 +1166,18 @@ mod sg_tests {
             (e.dma_address, e.dma_length, e.length, e.offset),
             (0x1_0000_0000, 0x1_0000, 0x1_0000, 0)
         );
-        // A one-entry table is the slot's: none is allocated for it.
-        let one = SgTable::new(1, [seg(0x1_0000_0000, 0x1_0000)].into_iter());
-        assert_eq!(one.err(), Some(EINVAL));
+        // One segment is built in the slot: no table is allocated for it.
+        let other = KBox::new(SgSlot::new(), GFP_KERNEL)?;
+        // SAFETY: nothing else writes that slot or reads its entry.
+        let one = unsafe { sg::build(&other, 4, [seg(0x2_0000, 0x1_0000)].into_iter()) }?;
+        assert!(one.is_none());
+        assert_eq!(other.header().nents, 1);
         // Building and dropping an allocated table leaves the slot alone
         // (KASAN reports a free of memory inside the box, and its bytes are
         // still the entry).
-        drop(SgTable::new(
-            2,
-            [seg(0x10_0000, 0x1_0000), seg(0x30_0000, 0x1_0000)].into_iter(),
-        )?);
+        let two = [seg(0x10_0000, 0x1_0000), seg(0x30_0000, 0x1_0000)];
+        // SAFETY: as above.
+        drop(unsafe { sg::build(&slot, 2, two.into_iter()) }?.ok_or(EINVAL)?);
         // SAFETY: the slot is alive and no table uses it.
         let e = unsafe { &*slot_ptr };
         assert_eq!(e.dma_address, 0x1_0000_0000);
@@ -1213,7 +1230,7 @@ mod sg_tests {
             seg(0x20_0000, 2 * P),
             seg(0x22_0000, P),
         ];
-        let t = SgTable::coalesced(7, &addrs, P, 2 * P)?;
+        let t = coalesced(7, &addrs, P, 2 * P)?;
         let h = header(&t);
         // The DMA view is what was filled; all seven entries are freed.
         assert_eq!((h.nents, h.orig_nents), (5, 7));
@@ -1244,7 +1261,7 @@ mod sg_tests {
         for i in 0..300u64 {
             many.push(0x1000_0000 - i * P, GFP_KERNEL)?;
         }
-        let t = SgTable::coalesced(300, &many, P, 1 << 31)?;
+        let t = coalesced(300, &many, P, 1 << 31)?;
         let h = header(&t);
         assert_eq!((h.nents, h.orig_nents), (300, 300));
         let mut e = h.sgl;
@@ -1268,8 +1285,11 @@ mod sg_tests {
         // `Coalescer`.
         let top = u64::MAX - P + 1;
         let wraps = [top - P, top, 0];
-        assert_eq!(crate::coalesce::count(&wraps, P, 1 << 31), 2);
-        let t = SgTable::coalesced(3, &wraps, P, 1 << 31)?;
+        assert_eq!(
+            crate::coalesce::Coalescer::new(&wraps, P, 1 << 31).count(),
+            2
+        );
+        let t = coalesced(3, &wraps, P, 1 << 31)?;
         let h = header(&t);
         assert_eq!(h.nents, 2);
         // SAFETY: the first of the table's 3 entries.
@@ -1280,9 +1300,9 @@ mod sg_tests {
         let e = unsafe { &*bindings::sg_next(h.sgl) };
         assert_eq!((e.dma_address, e.dma_length), (0, P as u32));
         // More runs than the bound, or no page, or a bound under 2 are refused.
-        assert!(SgTable::coalesced(2, &[0, 2 * P, 4 * P], P, 1 << 31).is_err());
-        assert!(SgTable::coalesced(2, &[], P, 1 << 31).is_err());
-        assert!(SgTable::coalesced(1, &[0], P, 1 << 31).is_err());
+        assert!(coalesced(2, &[0, 2 * P, 4 * P], P, 1 << 31).is_err());
+        assert!(coalesced(2, &[], P, 1 << 31).is_err());
+        assert!(coalesced(1, &[0], P, 1 << 31).is_err());
         Ok(())
     }
 
@@ -1295,7 +1315,7 @@ mod sg_tests {
         const P: u64 = 0x1_0000;
         let addrs = [0x30_0000, 0x10_0000, 0x50_0000, 0x51_0000];
         for cap in [4usize, 300] {
-            let t = SgTable::coalesced(cap, &addrs, P, 1 << 31)?;
+            let t = coalesced(cap, &addrs, P, 1 << 31)?;
             let h = header(&t);
             assert_eq!((h.nents, h.orig_nents), (3, cap as u32));
             let mut e = h.sgl;
@@ -1308,7 +1328,7 @@ mod sg_tests {
             }
         }
         // A failed build leaves nothing behind: more runs than entries.
-        assert!(SgTable::coalesced(2, &addrs, P, 1 << 31).is_err());
+        assert!(coalesced(2, &addrs, P, 1 << 31).is_err());
         Ok(())
     }
 
@@ -1319,7 +1339,7 @@ mod sg_tests {
             seg(0x30_0000, 0x2_0000),
             seg(0x50_0000, 0x1_0000),
         ];
-        let t = SgTable::new(3, segs.iter().copied())?;
+        let t = table(3, segs.iter().copied())?;
         let h = header(&t);
         assert_eq!((h.nents, h.orig_nents), (3, 3));
         let mut sg = h.sgl;
@@ -1343,7 +1363,7 @@ mod sg_tests {
     fn chained_tables_are_filled_in_order() -> Result {
         const N: u64 = 300;
         let segs = (0..N).map(|i| seg(0x100_0000 + i * 0x2_0000, 0x1_0000));
-        let t = SgTable::new(N as usize, segs)?;
+        let t = table(N as usize, segs)?;
         let h = header(&t);
         assert_eq!(u64::from(h.nents), N);
         let mut sg = h.sgl;
@@ -1361,13 +1381,17 @@ mod sg_tests {
     }
 
     #[test]
-    fn a_count_that_does_not_match_is_refused() -> Result {
-        let two = [seg(0x10_0000, 0x1_0000), seg(0x30_0000, 0x1_0000)];
-        let one = SgTable::new(1, two.iter().copied());
-        assert_eq!(one.err(), Some(EINVAL));
-        let three = SgTable::new(3, two.iter().copied());
-        assert_eq!(three.err(), Some(EINVAL));
-        assert!(SgTable::new(0, core::iter::empty()).is_err());
+    fn more_segments_than_entries_are_refused() -> Result {
+        let three = [
+            seg(0x10_0000, 0x1_0000),
+            seg(0x30_0000, 0x1_0000),
+            seg(0x50_0000, 0x1_0000),
+        ];
+        assert_eq!(table(1, three[..2].iter().copied()).err(), Some(EINVAL));
+        assert_eq!(table(2, three.iter().copied()).err(), Some(EINVAL));
+        let slot = SgSlot::new();
+        // SAFETY: the slot is this test's alone.
+        assert!(unsafe { sg::build(&slot, 2, core::iter::empty()) }.is_err());
         Ok(())
     }
 }

@@ -85,14 +85,11 @@ fn chain<'a>(c: &ffi::PeermemChain, out: &'a mut [Hop; 16]) -> Chain<'a> {
 fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::Path, u32)> {
     let mut peer_chain = ffi::PeermemChain::default();
     // SAFETY: a live device (the `PeerDevice` invariant), a valid out-pointer.
-    if unsafe { ffi::peermem_chain_of(peer.dev(), &mut peer_chain) } != 0 {
-        return None;
-    }
+    let iommu = unsafe { ffi::peermem_chain_of(peer.dev(), &mut peer_chain) };
+    let iommu = u32::try_from(iommu).ok()?.min(4);
     let (mut ga, mut pa) = ([Hop::default(); 16], [Hop::default(); 16]);
     let (a, b) = (chain(gpu_chain, &mut ga), chain(&peer_chain, &mut pa));
-    // SAFETY: a live device.
-    let iommu = unsafe { ffi::peermem_iommu_kind(peer.dev()) };
-    Some((path::classify(&a, &b), iommu.clamp(0, 4) as u32))
+    Some((path::classify(&a, &b), iommu))
 }
 
 #[cold]
@@ -369,9 +366,10 @@ fn ask_once(start: u64, phys: u64, gpu: Gpu) {
 
 /// Asks the GPU driver about one RDMA peer below a common bridge with `gpu`
 /// and one not (the kinds not learnt yet), through a persistent pin of the
-/// GPU page at `start`: a non-persistent table could be freed by a free
-/// callback between two calls of the driver (fact 2), and waiting for such
-/// a callback while it holds the driver's lock would deadlock.
+/// GPU page at `start`, made once a peer to ask about is found: a
+/// non-persistent table could be freed by a free callback between two calls
+/// of the driver (fact 2), and waiting for such a callback while it holds
+/// the driver's lock would deadlock.
 ///
 /// Only the driver's refusal of persistent pins (MIG, vGPU) is final (the
 /// rule is then applied to the platform observed). No RDMA peer of a kind
@@ -381,27 +379,35 @@ fn ask_once(start: u64, phys: u64, gpu: Gpu) {
 /// verdict meanwhile.
 #[cold]
 fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
-    let Some((table, range)) = probe_pin(start, phys, gpu) else {
-        return;
+    let range = GpuRange {
+        start,
+        len: GPU_PAGE_SIZE,
     };
-    STATS.topology_probes.add(1, Relaxed);
-    let ask = |v: Verdict, near| match v {
-        // SAFETY: pinned by `probe_pin` for `range`, unpinned only below.
-        Verdict::Unknown => unsafe { ask_gate(&table, &range, near) },
+    let mut pin = None;
+    let mut ask = |v: Verdict, near| match v {
+        Verdict::Unknown => ask_gate(&mut pin, &range, phys, near),
         v => Ok(Some(v)),
     };
     let (near, far) = (ask(gpu.gate.0, true), ask(gpu.gate.1, false));
-    // SAFETY: a persistent pin of `range`, not unpinned before.
-    if let Err(e) = unsafe { table.put_persistent(&range) } {
-        STATS.leaked_pins.add(1, Relaxed);
-        fail!(
-            Cause::Unpin,
-            e,
-            "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
-        );
+    if let Some(Ok(table)) = pin {
+        STATS.topology_probes.add(1, Relaxed);
+        // SAFETY: a persistent pin of `range`, not unpinned before.
+        if let Err(e) = unsafe { table.put_persistent(&range) } {
+            STATS.leaked_pins.add(1, Relaxed);
+            fail!(
+                Cause::Unpin,
+                e,
+                "unpinning the topology probe at {start:#x} failed: the pin is lost, and keeps the GPU driver from unbinding the GPU"
+            );
+        }
     }
+    let (u, refused) = (Verdict::Unverified, compat::eopnotsupp().to_errno());
     // Asked again: after a failure (its errno), or for want of a peer (0).
     let again = match (near, far) {
+        // Only the pin answers EOPNOTSUPP (a map's is a verdict): final.
+        (Err(e), _) | (_, Err(e)) if e == refused => {
+            return accounting::gate_learnt(gpu, u, u, Some(platform(phys)), None);
+        }
         (Err(e), _) | (_, Err(e)) => Some(e),
         (Ok(None), _) | (_, Ok(None)) => Some(0),
         _ => None,
@@ -410,53 +416,18 @@ fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
     accounting::gate_learnt(gpu, v(near), v(far), None, again);
 }
 
-/// The persistent pin of the GPU page at `start` that `probe_gate` asks
-/// with; `None`, with what that means recorded, when there is no RDMA peer
-/// of an unknown kind to ask about (no pin is made) or the driver did not
-/// pin.
-fn probe_pin(start: u64, phys: u64, gpu: Gpu) -> Option<(p2p::PageTable, GpuRange)> {
-    let wanted = |v, near| v == Verdict::Unknown && ffi::peermem_gate_peer_exists(phys, near);
-    let (u, range) = (
-        Verdict::Unknown,
-        GpuRange {
-            start,
-            len: GPU_PAGE_SIZE,
-        },
-    );
-    if !wanted(gpu.gate.0, true) && !wanted(gpu.gate.1, false) {
-        accounting::gate_learnt(gpu, u, u, None, Some(0));
-        return None;
-    }
-    match p2p::get_pages_persistent(&range) {
-        Ok(t) => Some((t, range)),
-        Err(e) if e == compat::eopnotsupp() => {
-            let u = Verdict::Unverified;
-            accounting::gate_learnt(gpu, u, u, Some(platform(phys)), None);
-            None
-        }
-        Err(e) => {
-            accounting::gate_learnt(gpu, u, u, None, Some(e.to_errno()));
-            None
-        }
-    }
-}
-
 /// The driver's verdict for the first of at most three RDMA peers of the
-/// right kind that it answers about; `None` when there is no such peer;
-/// the errno of the last failure (`EBUSY`: a peer's lock was held) when
-/// none answered.
-///
-/// # Safety
-///
-/// `table` must be a live persistent pin of `range`.
-unsafe fn ask_gate(
-    table: &p2p::PageTable,
+/// right kind (`near`: below a common bridge with the GPU whose BAR holds
+/// `phys`) that it answers about, asked with the persistent pin of `range`
+/// in `pin` (made by the first question); `None` when there is no such
+/// peer; the errno of the last failure (`EBUSY`: a peer's lock was held) or
+/// of the pin when none answered.
+fn ask_gate(
+    pin: &mut Option<Result<p2p::PageTable, i32>>,
     range: &GpuRange,
+    phys: u64,
     near: bool,
 ) -> Result<Option<Verdict>, i32> {
-    // SAFETY: live (caller); the view does not outlive this line.
-    let phys = unsafe { table.checked_pages(range) }.and_then(|p| p.physical_address(0));
-    let phys = phys.ok_or(EFAULT.to_errno())?;
     let mut err = 0;
     for i in 0..3 {
         // A reference on the device, locked; NULL when there is none left,
@@ -470,22 +441,43 @@ unsafe fn ask_gate(
                 (false, e) => Err(e),
             };
         }
-        // SAFETY: a live persistent table (caller) and a referenced device.
-        let answer = match unsafe { table.dma_map(dev) } {
-            Ok(m) => {
-                // SAFETY: the mapping just made for `dev`; no callback exists.
-                let _ = unsafe { table.dma_unmap(dev, m) };
-                Ok(Verdict::Open)
-            }
-            Err(e) if e == compat::eopnotsupp() => Ok(Verdict::Refused),
-            Err(e) => Err(e.to_errno()),
+        let table =
+            pin.get_or_insert_with(|| p2p::get_pages_persistent(range).map_err(|e| e.to_errno()));
+        let answer = match table {
+            // SAFETY: a live persistent pin (unpinned only by `probe_gate`,
+            // after this) and a referenced device.
+            Ok(t) => unsafe { verdict(t, dev) },
+            Err(e) => Err(*e),
         };
         // SAFETY: the lock and the reference the helper took.
         unsafe { ffi::peermem_gate_candidate_put(dev) };
-        match answer {
-            Ok(v) => return Ok(Some(v)),
-            Err(e) => err = e,
+        match (answer, &pin) {
+            (Ok(v), _) => return Ok(Some(v)),
+            (Err(e), Some(Err(_))) => return Err(e),
+            (Err(e), _) => err = e,
         }
     }
     Err(err)
+}
+
+/// The driver's verdict on mapping `table` for `dev`, or the errno of its
+/// failure.
+///
+/// # Safety
+///
+/// `table` must be a live persistent pin and `dev` a referenced device.
+unsafe fn verdict(
+    table: &p2p::PageTable,
+    dev: *mut kernel::bindings::pci_dev,
+) -> Result<Verdict, i32> {
+    // SAFETY: as promised by the caller.
+    match unsafe { table.dma_map(dev) } {
+        Ok(m) => {
+            // SAFETY: the mapping just made for `dev`; no callback exists.
+            let _ = unsafe { table.dma_unmap(dev, m) };
+            Ok(Verdict::Open)
+        }
+        Err(e) if e == compat::eopnotsupp() => Ok(Verdict::Refused),
+        Err(e) => Err(e.to_errno()),
+    }
 }

@@ -7,9 +7,12 @@ use core::fmt;
 use kernel::{
     new_spinlock,
     prelude::*,
-    sync::atomic::{
-        Atomic,
-        Relaxed, //
+    sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        Refcount,
     },
     types::Opaque,
 };
@@ -17,8 +20,6 @@ use kernel::{
 use super::{
     refs::{
         Liveness,
-        ReapLink,
-        RefCount,
         Spare, //
     },
     registry,
@@ -78,8 +79,8 @@ fn object(
         }, "Registration::inner"),
         sg_slot: SgSlot::new(),
         holds_map: Atomic::new(0),
-        refs: RefCount::new(),
-        reap_link: ReapLink::new(),
+        refs: Refcount::new(1),
+        reap_link: Opaque::uninit(),
         link: Opaque::uninit(),
         _live: live,
     })

@@ -164,7 +164,7 @@ impl Registration {
     /// The alias is sound while `mapper` is set: a free callback that comes
     /// meanwhile waits for it in `revoke` before it returns, and the provider
     /// frees the table only after its callback returns
-    /// (real-driver-behaviour.md, fact 2; scenario `free_races_registration`,
+    /// (docs/driver-facts.md, fact 2; scenario `free_races_registration`,
     /// and the `ofed4` mode, whose core holds no lock across `dma_map`). The
     /// alias does not outlive `dma_map`, except inside a persistent mapping,
     /// whose table is unpinned only after the mapping is dropped.

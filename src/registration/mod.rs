@@ -19,7 +19,7 @@
 //! callback inside the core, a callback for a `dma_map` reading the page
 //! table), on the module's wait queue. A persistent registration has no free
 //! callback: only the core calls it, one call at a time (it makes and
-//! destroys a umem in one thread each; real-driver-behaviour.md, facts 12 to
+//! destroys a umem in one thread each; docs/driver-facts.md, facts 12 to
 //! 14); the drain takes its lock only to name its process.
 
 mod acquire;
@@ -46,7 +46,7 @@ use kernel::{
             spinlock::SpinLockBackend,
             Guard, //
         },
-        SpinLock,
+        Refcount, SpinLock,
     },
     types::Opaque,
 };
@@ -76,9 +76,7 @@ pub(crate) use crate::lifecycle::Mode;
 
 use refs::{
     Counted,
-    Liveness,
-    ReapLink,
-    RefCount, //
+    Liveness, //
 };
 
 /// A counted reference on a registration.
@@ -108,7 +106,7 @@ impl ArmedCallback {
     /// `reg` must be the registration whose pin made this token. The driver
     /// unpinned the pages (in the pinning process, with success) and the free
     /// callback did not run, so it never will: the driver looks the pin up
-    /// under the lock it holds across the callback (real-driver-behaviour.md,
+    /// under the lock it holds across the callback (docs/driver-facts.md,
     /// facts 2 and 8; scenario `unpin_races_free_callback`).
     unsafe fn reclaim(self, reg: &Registration) -> RegRef {
         // SAFETY: the driver's reference is counted on `reg` (type invariant)
@@ -153,6 +151,34 @@ struct Inner {
 /// Inside a registration's lock.
 type Entered<'a> = Guard<'a, Inner, SpinLockBackend>;
 
+/// A pin's counts (per pair, GPU and process; its GPU's BAR1 use), taken
+/// out of the state to be released outside the lock.
+#[derive(Default)]
+struct Charges(Option<Charge>, Option<crate::accounting::Bar1>);
+
+impl Charges {
+    /// Releases them for the pin of `len` bytes that ended.
+    fn release(self, len: u64) {
+        if let Some(c) = self.0 {
+            c.release(len);
+        }
+        if let Some(b) = self.1 {
+            b.release(len);
+        }
+    }
+}
+
+impl Inner {
+    /// Takes the pin's counts out, to release once outside the lock; none
+    /// unless `ended`.
+    fn charges(&mut self, ended: bool) -> Charges {
+        match ended {
+            true => Charges(self.charge.take(), self.bar1.take()),
+            false => Charges::default(),
+        }
+    }
+}
+
 /// One registration of a GPU range with the peer-memory core.
 ///
 /// # Invariants
@@ -180,8 +206,10 @@ pub(crate) struct Registration {
     /// which the core calls right after `dma_unmap` and which then has
     /// nothing to do.
     holds_map: Atomic<u32>,
-    refs: RefCount,
-    reap_link: ReapLink,
+    refs: Refcount,
+    /// Its link on the reap list (`refs::defer`).
+    #[pin]
+    reap_link: Opaque<bindings::llist_node>,
     /// Its link on the drain's registry.
     #[pin]
     link: Opaque<bindings::list_head>,
@@ -196,11 +224,11 @@ impl PinnedDrop for Registration {
 }
 
 impl Counted for Registration {
-    fn refs(&self) -> &RefCount {
+    fn refs(&self) -> &Refcount {
         &self.refs
     }
 
-    fn reap_link(&self) -> &ReapLink {
+    fn reap_link(&self) -> &Opaque<bindings::llist_node> {
         &self.reap_link
     }
 }

@@ -7,16 +7,18 @@
 //! A registration has at most three references: the core's (from `acquire`
 //! to `release`), the GPU driver's while a free callback is armed, and the
 //! one `acquire` holds while it pins. The objects come from a cache of the
-//! module's, sized exactly (`Arc` would put each in kmalloc-256).
+//! module's (the C shim's), sized exactly (`Arc` would put each in
+//! kmalloc-256).
 //!
 //! The callback's reference can be a registration's last one (after a release
 //! in another process, or a failed unpin, only the callback is left). Its drop
 //! then drops the registration's module reference; done by the callback
 //! itself, a concurrent `rmmod` could unload the module while the callback
-//! still runs module code. So the callback queues the drop to work of this
-//! module's queue instead, and the module's exit drains that queue after the
-//! clients are unregistered: the work (which holds the module reference until
-//! it drops it) has returned before the module's memory goes.
+//! still runs module code. So the callback puts the object on the kernel's
+//! lock-free list (`llist_add`, through the shim) and the shim's work item
+//! drops the reference; the module's exit flushes that work after the clients
+//! are unregistered: the work (which holds the module reference until it
+//! drops it) has returned before the module's memory goes.
 //!
 //! Generic over the object ([`Counted`]): this file knows nothing of what a
 //! registration holds.
@@ -33,15 +35,8 @@ use kernel::{
     bindings,
     ffi::c_void,
     prelude::*,
-    sync::{
-        atomic::{
-            Acquire,
-            Atomic,
-            Relaxed,
-            Release, //
-        },
-        Refcount,
-    },
+    sync::Refcount,
+    types::Opaque, //
 };
 
 use crate::{
@@ -49,60 +44,43 @@ use crate::{
     ffi, //
 };
 
-/// An object with a [`RefCount`] and a [`ReapLink`] of its own.
+/// An object with a count of references (the kernel's `refcount_t`,
+/// saturating; created at 1, its creator's: [`Spare::init`]) and a reap link
+/// of its own.
 pub(crate) trait Counted: Sized {
     /// The count of references on this object.
-    fn refs(&self) -> &RefCount;
-    /// Its link on the reap list.
-    fn reap_link(&self) -> &ReapLink;
+    fn refs(&self) -> &Refcount;
+    /// Its link on the reap list (see [`defer`]), not on it until then.
+    fn reap_link(&self) -> &Opaque<bindings::llist_node>;
 }
 
-/// The cache, published while the module is loaded.
-static CACHE: Atomic<*mut bindings::kmem_cache> = Atomic::new(ptr::null_mut());
-
-/// Owns the module's cache of objects.
+/// Owns the module's cache of objects (the shim's).
 ///
 /// # Invariants
 ///
-/// `CACHE` holds a cache of objects of one [`Counted`] type from `new` until
+/// The shim's cache holds objects of one [`Counted`] type from `new` until
 /// `drop`, which destroys it.
 pub(crate) struct ObjectCache(());
 
 impl ObjectCache {
-    /// Creates and publishes the cache for objects of type `T`.
+    /// Creates the cache for objects of type `T`.
     pub(crate) fn new<T: Counted>() -> Result<Self> {
-        let c =
-            ffi::peermem_reg_cache_create(core::mem::size_of::<T>(), core::mem::align_of::<T>());
-        if c.is_null() {
-            return Err(ENOMEM);
-        }
-        CACHE.store(c, Release);
-        // INVARIANT: published above.
+        kernel::error::to_result(ffi::peermem_reg_cache_create(
+            core::mem::size_of::<T>(),
+            core::mem::align_of::<T>(),
+        ))?;
+        // INVARIANT: created above.
         Ok(Self(()))
     }
 }
 
 impl Drop for ObjectCache {
     fn drop(&mut self) {
-        let c = CACHE.xchg(ptr::null_mut(), Acquire);
-        if !c.is_null() {
-            // SAFETY: created in `new`, destroyed once. Every object is back:
-            // each holds a module reference until it is freed, and the
-            // module's exit runs this after the core's calls and the reap
-            // queue (the places that drop the last reference) are done.
-            unsafe { bindings::kmem_cache_destroy(c) };
-        }
-    }
-}
-
-/// The count of an object's references, a field of the object: the
-/// kernel's `refcount_t` (saturating).
-pub(crate) struct RefCount(Refcount);
-
-impl RefCount {
-    /// One reference: its creator's ([`Spare::init`]).
-    pub(crate) fn new() -> Self {
-        Self(Refcount::new(1))
+        // SAFETY: created in `new`, destroyed once. Every object is back:
+        // each holds a module reference until it is freed, and the module's
+        // exit runs this after the core's calls and the reap work (the places
+        // that drop the last reference) are done.
+        unsafe { ffi::peermem_reg_cache_destroy() };
     }
 }
 
@@ -111,7 +89,7 @@ impl RefCount {
 /// # Invariants
 ///
 /// Points to a live, initialized, pinned `T` from the module's cache, whose
-/// [`RefCount`] counts this reference; when the count drops to zero the
+/// count counts this reference; when the count drops to zero the
 /// object is dropped in place and returned to the cache. The count never
 /// exceeds 4 (see the module, and the drain's one), so it cannot saturate.
 pub(crate) struct Ref<T: Counted>(NonNull<T>);
@@ -135,20 +113,14 @@ pub(crate) struct Spare<T: Counted>(NonNull<T>);
 impl<T: Counted> Spare<T> {
     /// Allocates an object from the module's cache.
     pub(crate) fn new() -> Result<Self> {
-        let cache = CACHE.load(Acquire);
-        if cache.is_null() {
-            return Err(ENODEV);
-        }
-        // SAFETY: a live cache (published until the module's exit, which
-        // cannot run while the core calls us).
-        let obj = unsafe { bindings::kmem_cache_alloc_noprof(cache, bindings::GFP_KERNEL) };
-        let obj = NonNull::new(obj.cast::<T>()).ok_or(ENOMEM)?;
+        // The cache exists while the core can call us (`ObjectCache`).
+        let obj = NonNull::new(ffi::peermem_reg_alloc().cast::<T>()).ok_or(ENOMEM)?;
         // INVARIANT: fresh memory of the cache, of the exact layout.
         Ok(Self(obj))
     }
 
-    /// Initializes the object with `init`, whose count must be
-    /// [`RefCount::new`]: the returned reference is the only one.
+    /// Initializes the object with `init`, whose count must be 1: the
+    /// returned reference is the only one.
     pub(crate) fn init(self, init: impl PinInit<T>) -> Ref<T> {
         let obj = self.0;
         core::mem::forget(self);
@@ -164,7 +136,7 @@ impl<T: Counted> Drop for Spare<T> {
     fn drop(&mut self) {
         // SAFETY: memory of the module's cache, never initialized and owned
         // by us (type invariant); the cache lives while the core calls us.
-        unsafe { bindings::kmem_cache_free(CACHE.load(Relaxed), self.0.as_ptr().cast()) };
+        unsafe { ffi::peermem_reg_free(self.0.as_ptr().cast()) };
     }
 }
 
@@ -232,7 +204,7 @@ impl<T: Counted> Ref<T> {
     /// valid for the call (it is freed only after it left wherever the
     /// caller found it).
     pub(crate) unsafe fn get_unless_zero(obj: &T) -> Option<Self> {
-        let count = core::ptr::from_ref(&obj.refs().0).cast_mut().cast();
+        let count = core::ptr::from_ref(obj.refs()).cast_mut().cast();
         // SAFETY: `Refcount` is a transparent `refcount_t`, valid for the
         // call (caller).
         let live = unsafe { ffi::peermem_refcount_inc_not_zero(count) };
@@ -243,7 +215,7 @@ impl<T: Counted> Ref<T> {
 
 impl<T: Counted> Clone for Ref<T> {
     fn clone(&self) -> Self {
-        self.refs().0.inc();
+        self.refs().inc();
         // INVARIANT: counted above.
         Self(self.0)
     }
@@ -253,7 +225,7 @@ impl<T: Counted> Drop for Ref<T> {
     fn drop(&mut self) {
         // refcount_dec_and_test orders this thread's uses of the object
         // before the free, and every other thread's before this one's free.
-        if !self.refs().0.dec_and_test() {
+        if !self.refs().dec_and_test() {
             return;
         }
         let p = self.0.as_ptr();
@@ -262,105 +234,34 @@ impl<T: Counted> Drop for Ref<T> {
         // came from, which lives while any object does (see `ObjectCache`).
         unsafe {
             ptr::drop_in_place(p);
-            bindings::kmem_cache_free(CACHE.load(Relaxed), p.cast());
+            ffi::peermem_reg_free(p.cast());
         }
     }
 }
 
-/// The module's reap queue, published while the module is loaded.
-static QUEUE: Atomic<*mut bindings::workqueue_struct> = Atomic::new(ptr::null_mut());
+/// Flushes the reap work at the module's exit: every reference a free
+/// callback handed over has been dropped, and the work has returned.
+pub(crate) struct ReapFlush;
 
-/// Objects whose free callback handed its reference over, each carrying
-/// that reference; linked through [`ReapLink`], newest first. Pushed by
-/// callbacks, emptied all at once by the module's work.
-static REAP_LIST: Atomic<*mut c_void> = Atomic::new(ptr::null_mut());
-
-/// An object's link on the reap list, a field of the object: written once,
-/// by the free callback that hands its reference over.
-pub(crate) struct ReapLink(Atomic<*mut c_void>);
-
-impl ReapLink {
-    /// Not on the list.
-    pub(crate) const fn new() -> Self {
-        Self(Atomic::new(ptr::null_mut()))
-    }
-}
-
-/// The module's reap queue; destroying it drains it.
-///
-/// # Invariants
-///
-/// `QUEUE` holds the queue from `new` until `drop`, which destroys it.
-pub(crate) struct ReapQueue(());
-
-impl ReapQueue {
-    /// Allocates and publishes the queue.
-    pub(crate) fn new() -> Result<Self> {
-        let wq = ffi::peermem_wq_alloc();
-        if wq.is_null() {
-            return Err(ENOMEM);
-        }
-        QUEUE.store(wq, Release);
-        // INVARIANT: published above.
-        Ok(Self(()))
-    }
-}
-
-impl Drop for ReapQueue {
+impl Drop for ReapFlush {
     fn drop(&mut self) {
-        let wq = QUEUE.xchg(ptr::null_mut(), Acquire);
-        if !wq.is_null() {
-            // SAFETY: allocated in `new`, destroyed once; no one queues any
-            // more (every object is gone: the clients are unregistered and no
-            // reference is left, or the module could not be unloading).
-            // Destroying drains the module's work, which empties the list.
-            unsafe { ffi::peermem_wq_destroy(wq) };
-        }
+        // No callback hands a reference over any more: the clients are
+        // unregistered and the callbacks in flight have returned.
+        ffi::peermem_reap_flush();
     }
 }
 
-/// Drops `owner` (a free callback's reference) from the module's queue.
+/// Drops `owner` (a free callback's reference) from the shim's work, not
+/// here (see the module).
 pub(crate) fn defer<T: Counted>(owner: Ref<T>) {
-    let wq = QUEUE.load(Acquire);
-    if wq.is_null() {
-        // Unreachable while the object holds a module reference.
-        drop(owner);
-        return;
-    }
-    let link = NonNull::from(owner.reap_link());
-    // The reference is the list's from here on (see `reap`).
-    let node = owner.into_raw();
-    let mut head = REAP_LIST.load(Relaxed);
-    loop {
-        // SAFETY: the object is live (the reference forgotten above is now
-        // the list's) and not on the list: a pin's callback runs once, and a
-        // registration has one pin.
-        unsafe { link.as_ref() }.0.store(head, Relaxed);
-        // Release: the link is written before the node is reachable.
-        match REAP_LIST.cmpxchg(head, node, Release) {
-            Ok(_) => break,
-            Err(now) => head = now,
-        }
-    }
-    // SAFETY: the queue lives until `ReapQueue` is dropped, which happens
-    // only after the module reference that the node holds is gone. Queueing
-    // work that is pending already is a no-op: the pending run finds the node.
-    unsafe { ffi::peermem_reap_kick(wq) };
-}
-
-/// The module's reap work: drops every reference of type `T` on the list
-/// (the module has one type of objects).
-pub(crate) fn reap<T: Counted>() {
-    // Acquire: the links written before each push are visible.
-    let mut node = REAP_LIST.xchg(ptr::null_mut(), Acquire);
-    while !node.is_null() {
-        // SAFETY: each node carries one reference (see `defer`), taken back
-        // once, here.
-        let owner = unsafe { Ref::<T>::from_raw(node) };
-        // Written before the push and not written again.
-        node = owner.reap_link().0.load(Relaxed);
-        drop(owner);
-    }
+    let link = owner.reap_link().get();
+    // The reference is the list's from here on: the shim's work takes it
+    // back with [`Ref::from_raw`] and drops it.
+    let _ = owner.into_raw();
+    // SAFETY: the object is live (the reference forgotten above is now the
+    // list's) and not on the list: a pin's callback runs once, and a
+    // registration has one pin.
+    unsafe { ffi::peermem_reap_defer(link) };
 }
 
 /// Holds a reference on this module for as long as it lives: `rmmod` is

@@ -11,16 +11,13 @@ use kernel::{
 use core::num::NonZeroU32;
 
 use super::{
+    Charges,
     Entered,
     Mode,
     Registration,
     Span, //
 };
 use crate::{
-    accounting::{
-        Bar1,
-        Charge, //
-    },
     compat, ffi,
     lifecycle::Unpinned,
     p2p::PageTable,
@@ -58,12 +55,8 @@ impl Registration {
             let r = g.lc.release(tgid);
             // A persistent pin's life ends here, and its count with it
             // (released once the unpin returned).
-            let charge = if r.ended {
-                (g.charge.take(), g.bar1.take())
-            } else {
-                (None, None)
-            };
-            (r, charge, owner)
+            let charges = g.charges(r.ended);
+            (r, charges, owner)
         };
         drop(r.map);
         if r.orphaned {
@@ -103,23 +96,14 @@ impl Registration {
         // callback's token, which only `pin` gives), handed out once, and
         // only to the pinning process.
         let res = unsafe { table.put(&self.range()) };
-        let (how, token, (charge, bar1)) = {
+        let (how, token, charges) = {
             let mut g = self.enter();
             let (how, token) = g.lc.unpinned(res.is_ok());
             // A stranded pin stays counted until its callback.
-            let charges = if how == Unpinned::Stranded {
-                (None, None)
-            } else {
-                (g.charge.take(), g.bar1.take())
-            };
+            let charges = g.charges(how != Unpinned::Stranded);
             (how, token, charges)
         };
-        if let Some(c) = charge {
-            c.release(self.range().len);
-        }
-        if let Some(b) = bar1 {
-            b.release(self.range().len);
-        }
+        charges.release(self.range().len);
         match how {
             // Raced: the callback ended the pin first; it had no table to
             // count.
@@ -170,17 +154,12 @@ impl Registration {
 
     /// Unpins a persistent pin, whose lifecycle already ended, and releases
     /// its count.
-    fn unpin_persistent(&self, table: PageTable, (charge, bar1): (Option<Charge>, Option<Bar1>)) {
+    fn unpin_persistent(&self, table: PageTable, charges: Charges) {
         // SAFETY: a persistent pin made by `acquire` for `self.range` (the
         // lifecycle ends with `ended` only for a pin without a callback's
         // token, which only `get_pages_persistent` gives), handed out once.
         let res = unsafe { table.put_persistent(&self.range()) };
-        if let Some(c) = charge {
-            c.release(self.range().len);
-        }
-        if let Some(b) = bar1 {
-            b.release(self.range().len);
-        }
+        charges.release(self.range().len);
         STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         if let Err(e) = res {
             STATS.leaked_pins.add(1, Relaxed);

@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
 //! The GPU driver's free callback: revoke through the core, then undo the
-//! client's own mapping; its reference leaves through the reap queue.
+//! client's own mapping; its reference leaves through the reap work.
 
 use kernel::{
+    bindings,
     ffi::c_void,
-    sync::atomic::Relaxed, //
+    sync::atomic::Relaxed,
+    types::Opaque, //
 };
 
 use super::{
@@ -40,16 +42,28 @@ pub(super) unsafe extern "C" fn free_trampoline(data: *mut c_void) {
         owner.revoke();
     }
     // The callback's reference can be the registration's last one, and its
-    // drop drops a module reference: dropped from the module's queue, which
-    // its exit drains (see `refs`), never here.
+    // drop drops a module reference: dropped from the shim's work, which the
+    // module's exit flushes (see `refs`), never here.
     refs::defer(owner);
 }
 
-/// The module's reap work (called by the C shim's work item): drops the
-/// references the free callbacks left.
+/// The module's reap work (called by the C shim's work item for each node
+/// of its list): drops the reference a free callback left.
+///
+/// # Safety
+///
+/// `node` is the reap link of a registration that [`refs::defer`] put on the
+/// list, taken off it once.
 #[no_mangle]
-pub(crate) extern "C" fn peermem_reap_run() {
-    refs::reap::<Registration>();
+unsafe extern "C" fn peermem_reap_one(node: *mut bindings::llist_node) {
+    let reg = kernel::container_of!(
+        node.cast::<Opaque<bindings::llist_node>>(),
+        Registration,
+        reap_link
+    );
+    // SAFETY: the reference `defer` handed to the list, on this object
+    // (caller), taken back once.
+    drop(unsafe { RegRef::from_raw(reg.cast()) });
 }
 
 impl Registration {
@@ -58,29 +72,19 @@ impl Registration {
     /// then undo our own mapping.
     fn revoke(&self) {
         STATS.invalidations.add(1, Relaxed);
-        let (action, had_pin, (charge, bar1)) = {
+        let (action, had_pin, charges) = {
             let mut g = self.enter();
             // The table comes back only to be forgotten: the provider frees
             // it once we return.
             let (action, table) = g.lc.invalidate();
             self.wait_for_users(&mut g, action);
             let ended = table.is_some() || matches!(action, Invalidate::Reaped { .. });
-            let charges = if ended {
-                (g.charge.take(), g.bar1.take())
-            } else {
-                (None, None)
-            };
-            (action, ended, charges)
+            (action, ended, g.charges(ended))
         };
         if had_pin {
             STATS.pinned_bytes.fetch_sub(self.range().len, Relaxed);
         }
-        if let Some(c) = charge {
-            c.release(self.range().len);
-        }
-        if let Some(b) = bar1 {
-            b.release(self.range().len);
-        }
+        charges.release(self.range().len);
         self.revoked(action);
     }
 

@@ -69,7 +69,7 @@ mod tests {
                 }
             }
             let segs: Vec<Segment> = Coalescer::new(&addrs, G, max * G).collect();
-            prop_assert_eq!(segs.len(), count(&addrs, G, max * G));
+            prop_assert_eq!(segs.len(), Coalescer::new(&addrs, G, max * G).count());
             prop_assert_eq!(segs.iter().map(|s| s.len).sum::<u64>(), addrs.len() as u64 * G);
             let mut i = 0;
             for s in &segs {
@@ -85,8 +85,8 @@ mod tests {
     #[test]
     fn one_gib_contiguous_is_one_segment() {
         let addrs: Vec<u64> = (0..16384).map(|i| 0x1_0000_0000 + i * G).collect();
-        assert_eq!(count(&addrs, G, 2 << 30), 1);
-        assert_eq!(count(&addrs, G, 64 << 10), 16384);
+        assert_eq!(Coalescer::new(&addrs, G, 2 << 30).count(), 1);
+        assert_eq!(Coalescer::new(&addrs, G, 64 << 10).count(), 16384);
     }
 }
 

@@ -8,7 +8,7 @@
 //! models what `registration.rs` does with them (lock, decide, drop the lock,
 //! call the provider; `release` waits while the callback is inside the core,
 //! the callback waits for a `dma_map` in flight) and what the real
-//! components guarantee (real-driver-behaviour.md):
+//! components guarantee (docs/driver-facts.md):
 //! - nvidia.ko takes its RM API lock in `get_pages`, `put_pages` and
 //!   `dma_map` (persistent pins), and holds it across the free callback; it
 //!   frees the page table right after the callback returns (facts 1-2).
