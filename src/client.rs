@@ -18,7 +18,10 @@ use kernel::{
     prelude::*, //
 };
 
-use kernel::sync::atomic::Relaxed;
+use kernel::sync::atomic::{
+    Atomic,
+    Relaxed, //
+};
 
 use crate::{
     compat, core_link, exports, ffi,
@@ -211,8 +214,13 @@ unsafe extern "C" fn acquire<const INV: bool>(
     if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
         return 0;
     }
+    if INV {
+        DECLINED_BY.store(0, Relaxed);
+    } else if declined_for_drain(addr) {
+        return 0;
+    }
     if registry::draining() {
-        draining(addr, size);
+        draining::<INV>(addr, size);
         return 0;
     }
     let mode = if INV {
@@ -227,6 +235,12 @@ unsafe extern "C" fn acquire<const INV: bool>(
             unsafe { *client_context = reg.into_raw() };
             1
         }
+        // Only the drain's admission refuses with EBUSY (a drain began while
+        // pinning).
+        Err(e) if e == EBUSY => {
+            draining::<INV>(addr, size);
+            0
+        }
         Err(_) => {
             // Not GPU memory (or not pinnable): not ours; the core tries the
             // next client or returns its own error.
@@ -239,12 +253,36 @@ unsafe extern "C" fn acquire<const INV: bool>(
 /// A registration refused by a drain: not claimed (claiming is pinning), so
 /// the core returns its own error; said and counted.
 #[cold]
-fn draining(addr: c_ulong, size: usize) {
+fn draining<const INV: bool>(addr: c_ulong, size: usize) {
+    if INV {
+        DECLINED_BY.store(compat::current_ids().0.get(), Relaxed);
+        DECLINED_AT.store(addr as u64, Relaxed);
+    }
     let _ = stats::fail!(
         Cause::Draining,
         EBUSY,
         "nvidia_peermem is draining: registration of {addr:#x}+{size:#x} refused"
     );
+}
+
+/// The thread and address of the last call `nv_mem` refused for a drain.
+/// The core asks its clients in turn, in their order of registration
+/// (`nv_mem` first), in the registering thread, under its own mutex
+/// (docs/driver-facts.md, fact 11): `nv_mem_nc` refuses that same call, so
+/// that a drain ending between the two questions cannot turn the
+/// registration into a persistent one. Only those serialised calls use them.
+static DECLINED_BY: Atomic<u32> = Atomic::new(0);
+static DECLINED_AT: Atomic<u64> = Atomic::new(0);
+
+/// Whether this call is the one `nv_mem` just refused for a drain (then
+/// forgotten: the next is another registration).
+fn declined_for_drain(addr: c_ulong) -> bool {
+    let me = compat::current_ids().0.get();
+    if DECLINED_BY.load(Relaxed) != me || DECLINED_AT.load(Relaxed) != addr as u64 {
+        return false;
+    }
+    DECLINED_BY.store(0, Relaxed);
+    true
 }
 
 /// `get_pages`: see [`Registration::get_pages`].

@@ -2,7 +2,7 @@
 
 //! Scenarios of the faithful testbed: what the real NVIDIA driver and the
 //! real OFED core do that a kind emulator would not
-//! (../shared/reference/real-driver-behaviour.md): the RM lock held across
+//! (docs/driver-facts.md): the RM lock held across
 //! free callbacks and taken by every p2p call, unpins found by the caller's
 //! process, failing unpins, callbacks from a kernel thread after the owner
 //! exited, page-table addresses reused at once, the core's mapping lock held
