@@ -214,13 +214,7 @@ unsafe extern "C" fn acquire<const INV: bool>(
     if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
         return 0;
     }
-    if INV {
-        DECLINED_BY.store(0, Relaxed);
-    } else if declined_for_drain(addr) {
-        return 0;
-    }
-    if registry::draining() {
-        draining::<INV>(addr, size);
+    if refused_for_drain::<INV>(addr, size) {
         return 0;
     }
     let mode = if INV {
@@ -235,8 +229,7 @@ unsafe extern "C" fn acquire<const INV: bool>(
             unsafe { *client_context = reg.into_raw() };
             1
         }
-        // Only the drain's admission refuses with EBUSY (a drain began while
-        // pinning).
+        // EBUSY: only the drain's admission (a drain began meanwhile).
         Err(e) if e == EBUSY => {
             draining::<INV>(addr, size);
             0
@@ -248,6 +241,21 @@ unsafe extern "C" fn acquire<const INV: bool>(
             0
         }
     }
+}
+
+/// Whether a drain refuses this call: while one is requested, and for
+/// `nv_mem_nc`, the call `nv_mem` refused for one (see [`DECLINED_BY`]).
+fn refused_for_drain<const INV: bool>(addr: c_ulong, size: usize) -> bool {
+    if INV {
+        DECLINED_BY.store(0, Relaxed);
+    } else if declined_for_drain(addr) {
+        return true;
+    }
+    if registry::draining() {
+        draining::<INV>(addr, size);
+        return true;
+    }
+    false
 }
 
 /// A registration refused by a drain: not claimed (claiming is pinning), so
