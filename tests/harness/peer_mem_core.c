@@ -289,8 +289,8 @@ struct peer_client {
 	const struct peer_memory_client *ops;
 	bool invalidation_required;
 	bool unmaps;			/* extended with PEER_MEM_INVALIDATE_UNMAPS */
-	atomic_t umems;
-	wait_queue_head_t wq;
+	atomic_t umems;			/* its umems, + 1 while registered */
+	struct completion unused;	/* umems reached 0 */
 	/* core_context -> umem: >= 5.5 ids and 4.x tickets, never equal */
 	struct xarray umem_xa;
 	u32 xa_next;
@@ -501,8 +501,8 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 	if (!c)
 		return NULL;
 	c->ops = peer_client;
-	atomic_set(&c->umems, 0);
-	init_waitqueue_head(&c->wq);
+	atomic_set(&c->umems, 1);
+	init_completion(&c->unused);
 	xa_init_flags(&c->umem_xa, XA_FLAGS_ALLOC);
 	mutex_init(&c->lock);
 	c->last_ticket = 1;
@@ -555,6 +555,12 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 }
 EXPORT_SYMBOL(ib_register_peer_memory_client);
 
+static void client_put(struct peer_client *c)
+{
+	if (atomic_dec_and_test(&c->umems))
+		complete(&c->unused);
+}
+
 void ib_unregister_peer_memory_client(void *reg_handle)
 {
 	struct peer_client *c = reg_handle;
@@ -563,8 +569,15 @@ void ib_unregister_peer_memory_client(void *reg_handle)
 	list_del(&c->node);
 	nclients--;
 	mutex_unlock(&peer_memory_mutex);
-	/* Blocks until every umem made through this client is released. */
-	wait_event(c->wq, atomic_read(&c->umems) == 0);
+	/*
+	 * Blocks until every umem made through this client is released. A
+	 * completion, as OFED's kref + unload_comp: the last put's complete()
+	 * is done with the client once it drops the completion's lock, which
+	 * the wait takes before returning (a wait_event on the count could
+	 * return, and free the client, before that put's wake_up ran).
+	 */
+	client_put(c);
+	wait_for_completion(&c->unused);
 	pr_info("unregistered client %.64s\n", c->ops->name);
 	mutex_lock(&peer_memory_mutex);
 	kobject_del(&c->kobj);
@@ -576,12 +589,6 @@ void ib_unregister_peer_memory_client(void *reg_handle)
 	mutex_unlock(&peer_memory_mutex);
 }
 EXPORT_SYMBOL(ib_unregister_peer_memory_client);
-
-static void client_put(struct peer_client *c)
-{
-	if (atomic_dec_and_test(&c->umems))
-		wake_up(&c->wq);
-}
 
 /* ib_put_peer_client: release is optional. */
 static void client_release(const struct peer_memory_client *ops, void *ctx)

@@ -42,8 +42,8 @@ struct ib_peer_client {
 	const struct peer_memory_client *ops;
 	bool invalidation_required;
 	bool unmaps;			/* extended with PEER_MEM_INVALIDATE_UNMAPS */
-	atomic_t umems;			/* live umems: unregister waits for 0 */
-	wait_queue_head_t wq;
+	atomic_t umems;			/* live umems, + 1 while registered */
+	struct completion unused;	/* umems reached 0 */
 	struct xarray umem_xa;		/* core_context -> umem */
 	u32 xa_next;
 };
@@ -140,8 +140,8 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 	if (!c)
 		return NULL;
 	c->ops = peer_client;
-	atomic_set(&c->umems, 0);
-	init_waitqueue_head(&c->wq);
+	atomic_set(&c->umems, 1);
+	init_completion(&c->unused);
 	xa_init_flags(&c->umem_xa, XA_FLAGS_ALLOC);
 	/* Extended only if the version's last byte is set and ex_size covers flags. */
 	if (peer_client->version[IB_PEER_MEMORY_VER_MAX - 1]) {
@@ -167,6 +167,12 @@ void *ib_register_peer_memory_client(const struct peer_memory_client *peer_clien
 }
 EXPORT_SYMBOL(ib_register_peer_memory_client);
 
+static void client_put(struct ib_peer_client *c)
+{
+	if (atomic_dec_and_test(&c->umems))
+		complete(&c->unused);
+}
+
 void ib_unregister_peer_memory_client(void *reg_handle)
 {
 	struct ib_peer_client *c = reg_handle;
@@ -175,19 +181,20 @@ void ib_unregister_peer_memory_client(void *reg_handle)
 	list_del(&c->node);
 	atomic64_dec(&st_clients);
 	mutex_unlock(&peer_memory_mutex);
-	/* Blocks until every umem made through this client is released. */
-	wait_event(c->wq, atomic_read(&c->umems) == 0);
+	/*
+	 * Blocks until every umem made through this client is released. A
+	 * completion, as OFED's kref + unload_comp: the last put's complete()
+	 * is done with the client once it drops the completion's lock, which
+	 * the wait takes before returning; a wait_event on the count could
+	 * return, and free the client, before that put's wake_up ran.
+	 */
+	client_put(c);
+	wait_for_completion(&c->unused);
 	pr_info("unregistered client %.64s\n", c->ops->name);
 	xa_destroy(&c->umem_xa);
 	kfree(c);
 }
 EXPORT_SYMBOL(ib_unregister_peer_memory_client);
-
-static void client_put(struct ib_peer_client *c)
-{
-	if (atomic_dec_and_test(&c->umems))
-		wake_up(&c->wq);
-}
 
 /* --- umems -------------------------------------------------------------- */
 
