@@ -22,22 +22,46 @@ pub(crate) fn segment_limit(max_seg: u64, page: u64) -> u64 {
     core::cmp::max(cap - cap % page, page)
 }
 
-/// Iterator over the segments of a page-address list.
+/// Where the pages are: page `i` at `at(i)`.
+pub(crate) trait PageAddrs {
+    /// The bus address of page `i`.
+    fn at(&self, i: usize) -> u64;
+}
+
+impl PageAddrs for &[u64] {
+    fn at(&self, i: usize) -> u64 {
+        self[i]
+    }
+}
+
+/// For tables whose addresses are not laid out in one slice, such as the
+/// provider's page pointers.
+impl<F: Fn(usize) -> u64> PageAddrs for F {
+    fn at(&self, i: usize) -> u64 {
+        self(i)
+    }
+}
+
+/// Iterator over the segments of `n` pages.
 ///
 /// Pages whose DMA addresses follow each other are merged, as long as a
 /// segment stays within `max_seg` bytes (rounded down to whole pages, at least
 /// one page) and within `u32::MAX` (the width of a scatterlist length).
-pub(crate) struct Coalescer<'a> {
-    addrs: &'a [u64],
+pub(crate) struct Runs<A: PageAddrs> {
+    at: usize,
+    n: usize,
+    addrs: A,
     page: u64,
     max_seg: u64,
 }
 
-impl<'a> Coalescer<'a> {
-    /// Segments of `addrs` (one bus address per page of `page` bytes) for a
-    /// device whose segments may be `max_seg` bytes long.
-    pub(crate) fn new(addrs: &'a [u64], page: u64, max_seg: u64) -> Self {
+impl<A: PageAddrs> Runs<A> {
+    /// Segments of pages `0..n` of `page` bytes at `addrs` for a device whose
+    /// segments may be `max_seg` bytes long.
+    pub(crate) fn of(n: usize, addrs: A, page: u64, max_seg: u64) -> Self {
         Self {
+            at: 0,
+            n,
             addrs,
             page,
             max_seg: segment_limit(max_seg, page),
@@ -45,52 +69,18 @@ impl<'a> Coalescer<'a> {
     }
 }
 
-impl Iterator for Coalescer<'_> {
-    type Item = Segment;
+/// The segments of a page-address list (one bus address per page).
+pub(crate) type Coalescer<'a> = Runs<&'a [u64]>;
 
-    /// The first run of the pages left (see [`Runs`]), which leaves the
-    /// pages after it.
-    fn next(&mut self) -> Option<Segment> {
-        let addrs = self.addrs;
-        // `max_seg` is limited already.
-        let mut runs = Runs {
-            at: 0,
-            n: addrs.len(),
-            addr: |i| addrs[i],
-            page: self.page,
-            max_seg: self.max_seg,
-        };
-        let seg = runs.next()?;
-        self.addrs = &addrs[runs.at..];
-        Some(seg)
+impl<'a> Coalescer<'a> {
+    /// Segments of `addrs` (one bus address per page of `page` bytes) for a
+    /// device whose segments may be `max_seg` bytes long.
+    pub(crate) fn new(addrs: &'a [u64], page: u64, max_seg: u64) -> Self {
+        Runs::of(addrs.len(), addrs, page, max_seg)
     }
 }
 
-/// Segments of `n` pages whose addresses a function gives (for tables whose
-/// addresses are not laid out in one slice, such as the provider's page
-/// pointers): the same merging rules as [`Coalescer`].
-pub(crate) struct Runs<F: Fn(usize) -> u64> {
-    at: usize,
-    n: usize,
-    addr: F,
-    page: u64,
-    max_seg: u64,
-}
-
-impl<F: Fn(usize) -> u64> Runs<F> {
-    /// Segments of pages `0..n`, page `i` at `addr(i)`.
-    pub(crate) fn new(n: usize, addr: F, page: u64, max_seg: u64) -> Self {
-        Self {
-            at: 0,
-            n,
-            addr,
-            page,
-            max_seg: segment_limit(max_seg, page),
-        }
-    }
-}
-
-impl<F: Fn(usize) -> u64> Iterator for Runs<F> {
+impl<A: PageAddrs> Iterator for Runs<A> {
     type Item = Segment;
 
     fn next(&mut self) -> Option<Segment> {
@@ -98,12 +88,12 @@ impl<F: Fn(usize) -> u64> Iterator for Runs<F> {
             return None;
         }
         let mut seg = Segment {
-            addr: (self.addr)(self.at),
+            addr: self.addrs.at(self.at),
             len: self.page,
         };
         self.at += 1;
         while self.at < self.n
-            && seg.addr.checked_add(seg.len) == Some((self.addr)(self.at))
+            && seg.addr.checked_add(seg.len) == Some(self.addrs.at(self.at))
             && seg.len + self.page <= self.max_seg
         {
             seg.len += self.page;

@@ -28,10 +28,8 @@ mod waitq;
 mod p2p;
 // DMA: the peer, its path and accounting, the mappings
 mod accounting;
-mod bar_map;
 mod device_map;
 mod peer_device;
-mod provider_map;
 mod topology;
 // the entry points bound at run time
 mod exports;

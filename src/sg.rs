@@ -18,19 +18,9 @@ use kernel::{
 use crate::coalesce::Segment;
 
 /// Describes the DMA range `seg` in the entry `sg`.
-///
-/// # Safety
-///
-/// `sg` must be an entry of a table the caller is filling, written by
-/// nothing else meanwhile.
-unsafe fn write_dma(sg: *mut bindings::scatterlist, seg: Segment) -> Result {
+fn write_dma(sg: &mut bindings::scatterlist, seg: Segment) -> Result {
     let len = u32::try_from(seg.len).map_err(|_| EINVAL)?;
-    // SAFETY: as promised by the caller.
-    unsafe {
-        (*sg).length = len;
-        (*sg).dma_address = seg.addr;
-        (*sg).dma_length = len;
-    }
+    (sg.length, sg.dma_address, sg.dma_length) = (len, seg.addr, len);
     Ok(())
 }
 
@@ -42,7 +32,7 @@ pub(crate) struct SgSlot(Opaque<bindings::scatterlist>);
 // serializes it with every use of the entry, and by the core through the
 // published header (OFED's first/last fix-up adjusts the entry's DMA address
 // and length); the module never reads it back (a mapping is undone from its
-// own record of what it mapped, `bar_map::RunIova`).
+// own record of what it mapped, `device_map::RunIova`).
 unsafe impl Send for SgSlot {}
 // SAFETY: as above.
 unsafe impl Sync for SgSlot {}
@@ -51,23 +41,6 @@ impl SgSlot {
     /// An empty slot.
     pub(crate) fn new() -> Self {
         Self(Opaque::zeroed())
-    }
-
-    /// Makes the slot a one-entry table for `seg`.
-    ///
-    /// # Safety
-    ///
-    /// Nothing else may write the slot, nor the core read it, until the
-    /// caller's map that owns the entry is dropped (the registration's
-    /// mapping, at most one at a time).
-    pub(crate) unsafe fn fill(&self, seg: Segment) -> Result {
-        let sg = self.0.get();
-        // SAFETY: the slot is ours to write (caller): a zeroed entry marked
-        // as the list's end, then its DMA fields.
-        unsafe {
-            bindings::sg_init_table(sg, 1);
-            write_dma(sg, seg)
-        }
     }
 
     /// The header of the one-entry table in the slot, to hand to the core.
@@ -101,8 +74,10 @@ pub(crate) struct SgTable {
 unsafe impl Send for SgTable {}
 
 impl SgTable {
-    /// A table of `n` entries, two or more, from `sg_alloc_table`.
-    fn alloc(n: usize) -> Result<Self> {
+    /// A table of `n` entries (two or more) from `sg_alloc_table`, filled in
+    /// order with `segs`; refuses more than it holds, or a segment an entry
+    /// cannot describe. Its DMA view (`nents`) is the entries filled.
+    fn new(n: usize, segs: impl Iterator<Item = Segment>) -> Result<Self> {
         let n = u32::try_from(n).ok().filter(|&n| n >= 2).ok_or(EINVAL)?;
         // No entries, no list.
         let mut table = bindings::sg_table::default();
@@ -110,30 +85,26 @@ impl SgTable {
         kernel::error::to_result(unsafe {
             bindings::sg_alloc_table(&mut table, n, bindings::GFP_KERNEL)
         })?;
-        // INVARIANT: set up by `sg_alloc_table`, freed on drop.
-        Ok(Self { table })
-    }
-
-    /// Fills the table's entries in order with `segs`; refuses more than
-    /// the table holds, or a segment an entry cannot describe. Returns the
-    /// number of entries filled.
-    fn fill(&mut self, segs: impl Iterator<Item = Segment>) -> Result<usize> {
-        let (mut next, mut filled) = (self.table.sgl, 0usize);
+        // INVARIANT: set up by `sg_alloc_table`, freed on drop; none of its
+        // entries is filled yet.
+        let mut t = Self { table };
+        let mut next = t.table.sgl;
+        t.table.nents = 0;
         for seg in segs {
-            if next.is_null() || filled == self.table.orig_nents as usize {
+            if next.is_null() || t.table.nents == n {
                 return Err(EINVAL);
             }
             // SAFETY: an entry of this table (walked by `sg_next` from its
             // first, which follows the chain links `sg_alloc_table` made and
             // gives NULL after the last entry), written once; only this walk
-            // writes the table.
+            // writes or reads the table.
             next = unsafe {
-                write_dma(next, seg)?;
+                write_dma(&mut *next, seg)?;
                 bindings::sg_next(next)
             };
-            filled += 1;
+            t.table.nents += 1;
         }
-        Ok(filled)
+        Ok(t)
     }
 
     /// The header, to hand to the core.
@@ -150,7 +121,9 @@ impl SgTable {
 ///
 /// # Safety
 ///
-/// As for [`SgSlot::fill`].
+/// Nothing else may write `slot`, nor the core read it, until the caller's
+/// map built with it is dropped (the registration's mapping, at most one at a
+/// time).
 pub(crate) unsafe fn build(
     slot: &SgSlot,
     cap: usize,
@@ -158,14 +131,18 @@ pub(crate) unsafe fn build(
 ) -> Result<Option<SgTable>> {
     let first = segs.next().ok_or(EINVAL)?;
     let mut segs = segs.peekable();
-    if segs.peek().is_none() {
-        // SAFETY: as promised by the caller.
-        return unsafe { slot.fill(first) }.map(|()| None);
+    if segs.peek().is_some() {
+        return SgTable::new(cap, Iterator::chain(core::iter::once(first), segs)).map(Some);
     }
-    let mut t = SgTable::alloc(cap)?;
-    // At most `cap`, which fits a `u32` (checked by `alloc`).
-    t.table.nents = t.fill(Iterator::chain(core::iter::once(first), segs))? as u32;
-    Ok(Some(t))
+    let sg = slot.0.get();
+    // SAFETY: the slot is ours to write, nothing else writes or reads it
+    // meanwhile (caller): a zeroed entry marked as the list's end, then its
+    // DMA fields.
+    unsafe {
+        bindings::sg_init_table(sg, 1);
+        write_dma(&mut *sg, first)
+    }
+    .map(|()| None)
 }
 
 impl Drop for SgTable {

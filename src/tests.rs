@@ -987,7 +987,7 @@ mod p2p_tests {
     const PAGE: u64 = 0x1_0000;
 
     /// Pages at `addrs` (0: a NULL page pointer), as the runs the client
-    /// maps (`bar_map::runs`, segments of at most `max_seg` bytes), or
+    /// maps (`device_map::runs`, segments of at most `max_seg` bytes), or
     /// `None` when a page has no address.
     fn runs_of(addrs: &[u64], max_seg: u64) -> Result<Option<KVec<(u64, u64)>>> {
         let mut pages = KVec::with_capacity(addrs.len(), GFP_KERNEL)?;
@@ -1011,7 +1011,7 @@ mod p2p_tests {
         let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), addrs.len()) };
         let missing = core::cell::Cell::new(false);
         let mut out = KVec::new();
-        for run in crate::bar_map::runs(&view, max_seg, &missing) {
+        for run in crate::device_map::runs(&view, max_seg, &missing) {
             match run {
                 Ok(r) => out.push((r.addr, r.len), GFP_KERNEL)?,
                 Err(_) => return Ok(None),
@@ -1155,7 +1155,7 @@ mod sg_tests {
         let slot = KBox::new(SgSlot::new(), GFP_KERNEL)?;
         let slot_ptr = core::ptr::from_ref(&*slot).cast::<bindings::scatterlist>();
         // SAFETY: nothing else writes the slot or reads its entry.
-        unsafe { slot.fill(seg(0x1_0000_0000, 0x1_0000)) }?;
+        unsafe { sg::build(&slot, 1, [seg(0x1_0000_0000, 0x1_0000)].into_iter()) }?;
         let h = slot.header();
         assert_eq!(h.sgl.cast_const(), slot_ptr);
         assert_eq!((h.nents, h.orig_nents), (1, 1));
@@ -1198,7 +1198,7 @@ mod sg_tests {
             (*e).dma_address = 0xdead_0000;
         }
         // SAFETY: nothing else writes the slot or reads its entry.
-        unsafe { slot.fill(seg(0x2_0000_0000, 0x20_0000)) }?;
+        unsafe { sg::build(&slot, 1, [seg(0x2_0000_0000, 0x20_0000)].into_iter()) }?;
         let h = slot.header();
         assert_eq!(h.sgl.cast_const(), slot_ptr);
         assert_eq!((h.nents, h.orig_nents), (1, 1));
@@ -1210,8 +1210,9 @@ mod sg_tests {
             (0x2_0000_0000, 0x20_0000, 0x20_0000, 0)
         );
         // A segment a scatterlist entry cannot describe is refused.
+        let too_long = [seg(0, 1 << 32)].into_iter();
         // SAFETY: as above.
-        assert_eq!(unsafe { slot.fill(seg(0, 1 << 32)) }, Err(EINVAL));
+        assert_eq!(unsafe { sg::build(&slot, 1, too_long) }.err(), Some(EINVAL));
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use super::{
     Span, //
 };
 use crate::{
-    bar_map, compat,
+    compat,
     device_map::DeviceMap,
     lifecycle::Lifecycle,
     p2p::{
@@ -26,7 +26,6 @@ use crate::{
         PageView, //
     },
     peer_device::PeerDevice,
-    provider_map,
     range::GPU_PAGE_SIZE,
     stats::{
         fail,
@@ -51,25 +50,20 @@ impl Registration {
         }
         let mut g = self.enter();
         self.may_bind(&g)?;
-        let checked = match g.lc.pinned_table() {
-            // SAFETY: Pinned, so the table is ours. A free callback must take
-            // this lock to revoke, and the provider frees the table only after
-            // the callback returns: it is valid while the lock is held.
-            Ok(t) => unsafe { t.check(&self.range()) },
-            Err(r) => return Err(refused(r, "get_pages")),
-        };
-        match checked {
-            Ok(_) => g.lc.bind(core_context).map_err(|r| refused(r, "get_pages")),
-            Err(m) => {
-                // `release` unpins; nothing else may use this table.
-                g.lc.reject();
-                Err(fail!(
-                    Cause::PageTable,
-                    compat::eopnotsupp(),
-                    "unsupported NVIDIA page table: {m:?}"
-                ))
-            }
+        let t = g.lc.pinned_table().map_err(|r| refused(r, "get_pages"))?;
+        // SAFETY: Pinned, so the table is ours. A free callback must take
+        // this lock to revoke, and the provider frees the table only after
+        // the callback returns: it is valid while the lock is held.
+        if let Err(m) = unsafe { t.check(&self.range()) } {
+            // `release` unpins; nothing else may use this table.
+            g.lc.reject();
+            return Err(fail!(
+                Cause::PageTable,
+                compat::eopnotsupp(),
+                "unsupported NVIDIA page table: {m:?}"
+            ));
         }
+        g.lc.bind(core_context).map_err(|r| refused(r, "get_pages"))
     }
 
     /// Whether `get_pages` may bind: no drain, and the pin made. Under the
@@ -83,15 +77,13 @@ impl Registration {
                 "nvidia_peermem is draining: registration refused"
             ));
         }
-        match g.pin_error {
-            Some(e) => Err(fail!(
-                Cause::Pin,
-                e,
-                "the GPU driver could not pin {}",
-                Span(self.range())
-            )),
-            None => Ok(()),
-        }
+        let Some(e) = g.pin_error else { return Ok(()) };
+        Err(fail!(
+            Cause::Pin,
+            e,
+            "the GPU driver could not pin {}",
+            Span(self.range())
+        ))
     }
 
     /// `dma_map`: maps the pinned pages for `peer` (`None`: the core's
@@ -103,13 +95,8 @@ impl Registration {
         head: &mut bindings::sg_table,
         peer: Option<PeerDevice>,
     ) -> Result<u32> {
-        let Some(peer) = peer else {
-            return Err(fail!(
-                Cause::NotPci,
-                EINVAL,
-                "dma_device is not a PCI device"
-            ));
-        };
+        let peer =
+            peer.ok_or_else(|| fail!(Cause::NotPci, EINVAL, "dma_device is not a PCI device"))?;
         let table = self.start_map()?;
         // SAFETY: valid until `finish_map` (see `start_map`); checked by
         // `get_pages`. The view does not outlive this call.
@@ -190,24 +177,15 @@ impl Registration {
         let mut g = self.enter();
         g.mapper = false;
         self.wake(&g);
-        let map = match made {
-            Ok(m) => m,
-            Err(e) => {
-                g.lc.map_failed();
-                return Err(e);
-            }
+        let map = made.inspect_err(|_| g.lc.map_failed())?;
+        let Err(lost) = g.lc.map_succeeded(map) else {
+            self.installed(&mut g, route);
+            // The map was built with this registration's slot.
+            *head = g.lc.map().ok_or(EINVAL)?.header(&self.sg_slot);
+            return Ok(head.nents);
         };
-        let lost = match g.lc.map_succeeded(map) {
-            // Revoked meanwhile: our own mapping, undone below; the device
-            // never saw it.
-            Err(map) => map,
-            Ok(()) => {
-                self.installed(&mut g, route);
-                // The map was built with this registration's slot.
-                *head = g.lc.map().ok_or(EINVAL)?.header(&self.sg_slot);
-                return Ok(head.nents);
-            }
-        };
+        // Revoked meanwhile: our own mapping, undone here; the device never
+        // saw it.
         drop(g);
         drop(lost);
         route.failed(EFAULT, false);
@@ -221,7 +199,7 @@ impl Registration {
 
     /// Maps the pages of `table` (`pages`, its view) for `peer`: ourselves
     /// for non-persistent pins (no lock of the GPU driver's is taken, see
-    /// `bar_map`), through the GPU driver for persistent ones.
+    /// `device_map`), through the GPU driver for persistent ones.
     fn map_pages(
         &self,
         table: &PageTable,
@@ -232,13 +210,12 @@ impl Registration {
         match self.mode {
             Mode::Invalidating => {
                 // SAFETY: pinned until the mapping is dropped (see
-                // `bar_map::map`: `release` unpins after it, a free callback
-                // takes the device's access before it returns); the core
-                // keeps `peer` alive; the slot is this registration's and is
-                // used by one mapping at a time (see `sg_slot`).
-                let map = unsafe { bar_map::map(pages, &peer, &self.sg_slot) };
-                map.map(DeviceMap::Bar)
-                    .map_err(|e| bar_map_failed(at, e, pages.coherent()))
+                // `DeviceMap::bar`: `release` unpins after it, a free
+                // callback takes the device's access before it returns); the
+                // core keeps `peer` alive; the slot is this registration's
+                // and is used by one mapping at a time (see `sg_slot`).
+                let map = unsafe { DeviceMap::bar(pages, &peer, &self.sg_slot) };
+                map.map_err(|e| bar_map_failed(at, e, pages.coherent()))
             }
             Mode::Persistent => {
                 let entries = self.range().pages(GPU_PAGE_SIZE) as u32;
@@ -246,9 +223,7 @@ impl Registration {
                 // `release` after the mapping is dropped (the lifecycle hands
                 // out the map first), so it outlives the mapping; the slot as
                 // above.
-                let map =
-                    unsafe { provider_map::map(table.alias(), entries, &peer, &self.sg_slot, at) };
-                map.map(DeviceMap::Provider)
+                unsafe { DeviceMap::persistent(table.alias(), entries, &peer, &self.sg_slot, at) }
             }
         }
     }
