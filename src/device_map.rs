@@ -237,38 +237,55 @@ impl DeviceMap {
         slot: &SgSlot,
     ) -> Result<Self> {
         let dev = NonNull::new(peer.dev()).ok_or(EINVAL)?;
-        let (coherent, missing, mut iovas) = (pages.coherent(), Cell::new(false), KVec::new());
+        let (coherent, missing) = (pages.coherent(), Cell::new(false));
+        let (mut first, mut iovas) = (None, KVec::new());
         for run in runs(pages, peer.max_segment(), &missing) {
             let Segment { addr, len } = run?;
             // Runs are bounded to `u32::MAX` bytes (`Runs`).
             let len32 = u32::try_from(len).map_err(|_| EINVAL)?;
             let mut iova = 0u64;
-            // SAFETY: a live device (caller); memory of the caller's pinned
-            // table, every page with an address (checked by `runs`), pinned
-            // as long (caller). On a later failure `iovas` drops and unmaps
-            // it.
+            // SAFETY: a live device, memory of the caller's pinned table
+            // (caller), every page with an address (checked by `runs`).
             kernel::error::to_result(unsafe {
                 ffi::peermem_map_run(dev.as_ptr(), addr, len, coherent, &mut iova)
             })?;
-            // INVARIANT: mapped just above, undone by `drop` (also when the
-            // push fails).
+            // INVARIANT: mapped just above; undone by `drop` on any failure.
             let run = RunIova {
                 dev,
                 iova,
                 len: len32,
                 coherent,
             };
-            iovas.push(run, GFP_KERNEL)?;
+            add(&mut first, &mut iovas, run)?;
         }
-        let segs = iovas.iter().map(|r| Segment {
+        let segs = Iterator::chain(first.iter(), &iovas).map(|r| Segment {
             addr: r.iova,
             len: u64::from(r.len),
         });
-        // No page at all: no run, refused by `build`.
-        // SAFETY: the slot is this map's (caller).
-        let sg = unsafe { sg::build(slot, iovas.len(), segs) }?;
-        Self::new(sg, iovas, None)
+        let n = usize::from(first.is_some()) + iovas.len();
+        // SAFETY: the slot is this map's (caller). No run: refused by `build`.
+        let sg = unsafe { sg::build(slot, n, segs) }?;
+        match first {
+            // One run, one segment: its entry is in the slot (`sg` is `None`).
+            Some(run) => Ok(DeviceMap::Run(Some(run))),
+            None => Self::new(sg, iovas, None),
+        }
     }
+}
+
+/// Adds `run` to the runs mapped so far: the first waits outside `rest` until
+/// a second comes, so that one run (the common case) allocates nothing.
+fn add(first: &mut Option<RunIova>, rest: &mut KVec<RunIova>, run: RunIova) -> Result {
+    match first.take() {
+        None if rest.is_empty() => *first = Some(run),
+        f => {
+            if let Some(f) = f {
+                rest.push(f, GFP_KERNEL)?;
+            }
+            rest.push(run, GFP_KERNEL)?;
+        }
+    }
+    Ok(())
 }
 
 /// What `nvidia_p2p_dma_map_pages` gave for a persistent pin, undone through
