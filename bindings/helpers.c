@@ -72,21 +72,16 @@ void peermem_reap_flush(void);
 void peermem_reap_one(struct llist_node *node);	/* Rust, src/registration/revoke.rs */
 int peermem_watch_devices(void);
 void peermem_unwatch_devices(void);
-void peermem_device_unbound(struct device *dev);	/* Rust, src/accounting.rs */
+void peermem_device_unbound(u32 id);	/* Rust, src/accounting.rs */
 bool peermem_known_peer(u32 id);	/* Rust, src/accounting.rs */
 
 /* One bridge above a device, for the path classification in Rust. */
 struct peermem_hop {
 	u32 id;		/* domain << 16 | bus << 8 | devfn */
-	u8 kind;	/* PEERMEM_HOP_* */
+	u8 kind;	/* pci_pcie_type(): PCI_EXP_TYPE_*, 0 if not PCIe */
 	u8 acs_redirect;
 	u16 pad;
 };
-
-#define PEERMEM_HOP_BRIDGE	0
-#define PEERMEM_HOP_ROOT_PORT	1
-#define PEERMEM_HOP_SWITCH_UP	2
-#define PEERMEM_HOP_SWITCH_DOWN	3
 
 struct peermem_chain {
 	u32 id;		/* the device itself */
@@ -113,8 +108,8 @@ struct kobject *peermem_dir_add(unsigned int kind, const char *name);
 /* Rust, src/views.rs */
 const char *peermem_stat_file(unsigned int kind, unsigned int i);
 ssize_t peermem_stat_show(unsigned int kind, const char *dir, unsigned int i, char *buf);
-void peermem_dirs_sync(void);
-int peermem_processes_list(struct seq_file *m);
+void peermem_dirs_sync(struct work_struct *work);
+int peermem_processes_show(struct seq_file *m, void *v);
 void peermem_module_live(struct module *mod);	/* Rust, src/binding.rs */
 int peermem_drain_set(bool on);		/* Rust, src/drain.rs */
 bool peermem_drain_requested(void);	/* Rust, src/drain.rs */
@@ -136,28 +131,21 @@ void peermem_unwatch_modules(void);
  * here so that each has its read-only file in
  * /sys/module/nvidia_peermem/parameters/, as NVIDIA's module does and as
  * operators and tools read them: Rust module parameters have none on 7.2
- * and 7.3. src/peermem.rs reads and checks them at load (peermem_param).
+ * and 7.3. src/params.rs reads and checks them at load (peermem_param).
+ * PEERMEM_PARAM: a read-only int parameter @name, @value unless given.
  */
-static int persistent_api_support = 1;
-module_param(persistent_api_support, int, 0444);
-MODULE_PARM_DESC(persistent_api_support, "1 [default]: one non-invalidating client nv_mem on persistent pins; 0: nv_mem invalidating on the free callback, plus nv_mem_nc non-invalidating");
-static int peerdirect_support;
-module_param(peerdirect_support, int, 0444);
-MODULE_PARM_DESC(peerdirect_support, "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)");
-static int path_policy;
-module_param(path_policy, int, 0444);
-MODULE_PARM_DESC(path_policy, "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)");
-static int allow_unverified_paths;
-module_param(allow_unverified_paths, int, 0444);
-MODULE_PARM_DESC(allow_unverified_paths, "0 [default]: where the GPU driver cannot be asked about a path (persistent pins refused: MIG, vGPU), the invalidating client applies the driver's topology rule to the platform it observes; 1: map every such path");
-static int pair_table_slots = 64;
-module_param(pair_table_slots, int, 0444);
-MODULE_PARM_DESC(pair_table_slots, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in /sys/module/nvidia_peermem/stats/paths; a pair without a slot is classified at each registration");
-static int path_accounting = 1;
-module_param(path_accounting, int, 0444);
-MODULE_PARM_DESC(path_accounting, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (/sys/module/nvidia_peermem/stats/paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
+#define PEERMEM_PARAM(name, value, desc)	\
+	static int name = value;		\
+	module_param(name, int, 0444);		\
+	MODULE_PARM_DESC(name, desc)
 
-/* The value of parameter @which, in the order of src/params.rs's Param. */
+PEERMEM_PARAM(persistent_api_support, 1, "1 [default]: one non-invalidating client nv_mem on persistent pins; 0: nv_mem invalidating on the free callback, plus nv_mem_nc non-invalidating");
+PEERMEM_PARAM(peerdirect_support, 0, "0 [default]: extended client with PEER_MEM_INVALIDATE_UNMAPS; 1: legacy client for old cores (for example MLNX_OFED 4.9 LTS)");
+PEERMEM_PARAM(path_policy, 0, "0 [default]: allow every GPU-peer PCIe path (paths through the root complex are logged as warnings); 1..5: refuse registrations whose path is worse than PIX, PXB, PHB, NODE, SYS (EPERM)");
+PEERMEM_PARAM(allow_unverified_paths, 0, "0 [default]: where the GPU driver cannot be asked about a path (persistent pins refused: MIG, vGPU), the invalidating client applies the driver's topology rule to the platform it observes; 1: map every such path");
+PEERMEM_PARAM(pair_table_slots, 64, "GPU-peer pairs tracked (1..64, default 64): per-pair counts in /sys/module/nvidia_peermem/stats/paths; a pair without a slot is classified at each registration");
+PEERMEM_PARAM(path_accounting, 1, "1 [default]: count live registrations and pinned bytes per GPU-peer pair, GPU and process (/sys/module/nvidia_peermem/stats/paths, gpus, processes); 0: do not (path classification, its log line and path_policy stay)");
+
 /* Writable by root at run time; 0..100 (param_set_uint_minmax). */
 static unsigned int bar1_limit_pct = 80;
 
@@ -173,6 +161,7 @@ static const struct kernel_param_ops peermem_pct_ops = {
 module_param_cb(bar1_limit_pct, &peermem_pct_ops, &bar1_limit_pct, 0644);
 MODULE_PARM_DESC(bar1_limit_pct, "refuse a pin (ENOMEM) that would take a GPU's BAR1 use past this share of its BAR1 size, in percent (1..100, default 80: below the GPU driver's own reserve on a 256 MiB BAR1); 0: no limit");
 
+/* The value of parameter @which, in the order of src/params.rs's Param. */
 int peermem_param(unsigned int which)
 {
 	const int values[] = {
@@ -325,7 +314,7 @@ void peermem_reap_flush(void)
 static int peermem_bus_event(struct notifier_block *nb, unsigned long action, void *data)
 {
 	if (action == BUS_NOTIFY_UNBOUND_DRIVER)
-		peermem_device_unbound(data);
+		peermem_device_unbound(peermem_pci_id(to_pci_dev(data)));
 	return NOTIFY_DONE;
 }
 
@@ -362,11 +351,7 @@ static struct attribute_group peermem_groups[4] = { { .name = "counters" } };
 static struct kobject *peermem_stats, *peermem_parents[2];	/* gpus, paths */
 static bool peermem_dirs_on;
 
-static void peermem_dirs_work_fn(struct work_struct *work)
-{
-	peermem_dirs_sync();
-}
-static DECLARE_WORK(peermem_dirs_work, peermem_dirs_work_fn);
+static DECLARE_WORK(peermem_dirs_work, peermem_dirs_sync);
 
 /*
  * A read of a counter returns once the directories follow the records added
@@ -435,10 +420,6 @@ struct kobject *peermem_dir_add(unsigned int kind, const char *name)
 }
 
 /* nvidia_peermem/processes in debugfs: root's (0400), readable under lockdown. */
-static int peermem_processes_show(struct seq_file *m, void *v)
-{
-	return peermem_processes_list(m);
-}
 DEFINE_SHOW_ATTRIBUTE(peermem_processes);
 
 /*
@@ -473,15 +454,6 @@ static ssize_t peermem_drain_store(const struct module_attribute *attr, struct m
 static struct module_attribute peermem_drain_attr =
 	__ATTR(drain, 0644, peermem_drain_show, peermem_drain_store);
 
-static void peermem_stats_remove(void)
-{
-	for (int i = 0; i < ARRAY_SIZE(peermem_parents); i++)
-		kobject_put(peermem_parents[i]);
-	kobject_put(peermem_stats);	/* with its groups */
-	for (int k = 0; k < ARRAY_SIZE(peermem_groups); k++)
-		kfree(peermem_groups[k].attrs);
-}
-
 int peermem_views_add(void)
 {
 	struct kobject *mod = &THIS_MODULE->mkobj.kobj;
@@ -499,19 +471,26 @@ int peermem_views_add(void)
 	    sysfs_create_group(peermem_stats, &peermem_groups[0]) ||
 	    sysfs_create_group(peermem_stats, &peermem_groups[1]) ||
 	    sysfs_create_file(mod, &peermem_drain_attr.attr)) {
-		peermem_stats_remove();
-		debugfs_remove_recursive(peermem_debugfs);
+		peermem_views_remove();
 		return err ?: -ENOMEM;
 	}
 	smp_store_release(&peermem_dirs_on, true);
 	return 0;
 }
 
-/* Returns once no read of a file or write of drain runs (kernfs drains them). */
+/*
+ * Returns once no read of a file or write of drain runs (kernfs drains them).
+ * Also undoes a peermem_views_add that failed half-way (what it did not add
+ * is NULL or absent).
+ */
 void peermem_views_remove(void)
 {
 	sysfs_remove_file(&THIS_MODULE->mkobj.kobj, &peermem_drain_attr.attr);
-	peermem_stats_remove();
+	for (int i = 0; i < ARRAY_SIZE(peermem_parents); i++)
+		kobject_put(peermem_parents[i]);
+	kobject_put(peermem_stats);	/* with its groups */
+	for (int k = 0; k < ARRAY_SIZE(peermem_groups); k++)
+		kfree(peermem_groups[k].attrs);
 	debugfs_remove_recursive(peermem_debugfs);
 }
 
@@ -709,40 +688,28 @@ static void peermem_fill_chain(struct pci_dev *pdev, struct peermem_chain *out)
 
 		h->id = peermem_pci_id(up);
 		h->acs_redirect = peermem_acs_redirect(up);
-		switch (pci_is_pcie(up) ? pci_pcie_type(up) : -1) {
-		case PCI_EXP_TYPE_ROOT_PORT:
-			h->kind = PEERMEM_HOP_ROOT_PORT;
-			break;
-		case PCI_EXP_TYPE_UPSTREAM:
-			h->kind = PEERMEM_HOP_SWITCH_UP;
-			break;
-		case PCI_EXP_TYPE_DOWNSTREAM:
-			h->kind = PEERMEM_HOP_SWITCH_DOWN;
-			break;
-		default:
-			h->kind = PEERMEM_HOP_BRIDGE;
-		}
+		h->kind = pci_is_pcie(up) ? pci_pcie_type(up) : 0;
 	}
 }
 
 /*
  * The PCI device one of whose memory BARs holds bus address @phys, with a
- * reference, and that BAR; NULL if none.
+ * reference, and that BAR (if @bar); NULL if none.
  */
 static struct pci_dev *peermem_pci_by_phys(u64 phys, struct resource **bar)
 {
 	struct pci_dev *pdev = NULL;
-	int i;
 
 	for_each_pci_dev(pdev) {
-		for (i = 0; i < PCI_STD_NUM_BARS; i++) {
+		for (int i = 0; i < PCI_STD_NUM_BARS; i++) {
 			struct resource *r = &pdev->resource[i];
 
 			if (!(r->flags & IORESOURCE_MEM) || !r->start)
 				continue;
 			if (phys < r->start || phys > r->end)
 				continue;
-			*bar = r;
+			if (bar)
+				*bar = r;
 			return pdev;
 		}
 	}
@@ -770,10 +737,8 @@ int peermem_gpu_by_phys(u64 phys, struct peermem_chain *out, u64 *bar_start, u64
 /* What the GPU driver's gate asks (nv_pci_has_common_pci_switch, nv-pci.c). */
 static bool peermem_common_bridge(struct pci_dev *a, struct pci_dev *b)
 {
-	struct pci_dev *x, *y;
-
-	for (x = pci_upstream_bridge(a); x; x = pci_upstream_bridge(x))
-		for (y = pci_upstream_bridge(b); y; y = pci_upstream_bridge(y))
+	for (struct pci_dev *x = pci_upstream_bridge(a); x; x = pci_upstream_bridge(x))
+		for (struct pci_dev *y = pci_upstream_bridge(b); y; y = pci_upstream_bridge(y))
 			if (x == y)
 				return true;
 	return false;
@@ -811,14 +776,13 @@ static bool peermem_rdma_peer(struct pci_dev *pdev, int pass)
 
 struct pci_dev *peermem_gate_candidate(u64 gpu_phys, bool near, unsigned int skip, bool *busy)
 {
-	struct resource *bar;
-	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev;
-	int pass;
+	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, NULL);
 
 	if (!gpu)
 		return NULL;
-	for (pass = 0; pass < 2; pass++) {
-		pdev = NULL;
+	for (int pass = 0; pass < 2; pass++) {
+		struct pci_dev *pdev = NULL;
+
 		for_each_pci_dev(pdev) {
 			if (pdev == gpu || !peermem_rdma_peer(pdev, pass) ||
 			    (pass == 1 && peermem_rdma_peer(pdev, 0)) ||
@@ -911,8 +875,7 @@ static const struct pci_device_id peermem_flagged_chipsets[] = {
 
 unsigned int peermem_platform(u64 gpu_phys)
 {
-	struct resource *bar;
-	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, &bar), *pdev = NULL;
+	struct pci_dev *gpu = peermem_pci_by_phys(gpu_phys, NULL), *pdev = NULL;
 	unsigned int seen = peermem_passthrough() ? PEERMEM_PASSTHROUGH : 0;
 
 	if (!gpu)

@@ -28,7 +28,6 @@ use kernel::{
 
 use crate::{
     path::{
-        Class,
         Path,
         Platform,
         Verdict, //
@@ -41,7 +40,7 @@ const GPUS: usize = 32;
 /// How the peer's DMA is translated by an IOMMU.
 pub(crate) const IOMMU_NAMES: [&str; 5] = ["none", "identity", "dma", "dma-fq", "other"];
 
-/// One pair; free while `gpu` and `peer` are 0.
+/// One pair.
 #[derive(Clone, Copy)]
 pub(crate) struct PairRec {
     gpu: u32,
@@ -57,13 +56,13 @@ pub(crate) struct PairRec {
     refusal_logged: bool,
 }
 
-/// One GPU; free while `bar_start` is 0.
-#[derive(Clone, Copy)]
+/// One GPU.
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct GpuRec {
     /// First and last byte of the BAR holding the GPU's pinned pages.
     bar_start: u64,
     bar_end: u64,
-    id: u32,
+    pub(crate) id: u32,
     /// The GPU lost its driver: the record is freed once nothing is charged
     /// to it, and found by no lookup meanwhile.
     retired: bool,
@@ -72,16 +71,16 @@ pub(crate) struct GpuRec {
     max_pinned: u64,
     /// The GPU driver's topology verdicts for this GPU's peers below a
     /// common bridge and not.
-    gate: (Verdict, Verdict),
+    pub(crate) gate: (Verdict, Verdict),
     /// The last failed question's errno and the questions failed in a row;
     /// the registrations to let pass before asking again.
-    gate_err: i32,
+    pub(crate) gate_err: i32,
     gate_fails: u32,
     gate_skip: u32,
     /// Questions recorded, so that one asked meanwhile is seen.
-    gate_asked: u32,
-    /// The platform observed when the driver could not be asked.
-    platform: Platform,
+    pub(crate) gate_asked: u32,
+    /// The platform observed, where a verdict is [`Verdict::Unverified`].
+    pub(crate) platform: Platform,
     /// BAR1 bytes pinned, each run once (`bar1_charge`), and the pins the
     /// BAR1 guard refused.
     bar1_used: u64,
@@ -95,8 +94,9 @@ pub(crate) struct GpuRec {
 /// No pair at or past `pair_end`, and no GPU at or past `gpu_end`, is in use:
 /// lookups scan only the slots that were ever used.
 struct Tables {
-    pairs: [PairRec; PAIRS],
-    gpus: [GpuRec; GPUS],
+    /// The records; `None`: a free slot.
+    pairs: [Option<PairRec>; PAIRS],
+    gpus: [Option<GpuRec>; GPUS],
     pair_end: usize,
     gpu_end: usize,
     /// Every GPU's pinned BAR1 runs with their pins (`bar1_charge`).
@@ -107,50 +107,12 @@ struct Tables {
 /// the BAR, and its pages.
 type RunKey = (u8, u32, u32);
 
-const FREE_PAIR: PairRec = PairRec {
-    gpu: 0,
-    peer: 0,
-    path: Path {
-        class: Class::Sys,
-        acs_redirect: false,
-        shares_bridge: false,
-    },
-    iommu: 0,
-    registrations: 0,
-    policy_refusals: 0,
-    failures: 0,
-    last_failure: 0,
-    refusal_logged: false,
-};
-
-const FREE_GPU: GpuRec = GpuRec {
-    bar_start: 0,
-    bar_end: 0,
-    id: 0,
-    retired: false,
-    live: 0,
-    pinned: 0,
-    max_pinned: 0,
-    gate: (Verdict::Unknown, Verdict::Unknown),
-    gate_err: 0,
-    gate_fails: 0,
-    gate_skip: 0,
-    gate_asked: 0,
-    platform: Platform {
-        over: 0,
-        passthrough: false,
-        flagged_chipset: false,
-    },
-    bar1_used: 0,
-    bar1_refused: 0,
-};
-
 global_lock! {
     // SAFETY: initialised by `Watch::new`, at load, before any client is
     // registered, so before any record is used.
     unsafe(uninit) static TABLES: SpinLock<Tables> = Tables {
-        pairs: [FREE_PAIR; PAIRS],
-        gpus: [FREE_GPU; GPUS],
+        pairs: [None; PAIRS],
+        gpus: [None; GPUS],
         pair_end: 0,
         gpu_end: 0,
         runs: None,
@@ -158,63 +120,58 @@ global_lock! {
 }
 
 global_lock! {
+    /// Held by a question to the GPU driver about topology verdicts: one at
+    /// a time (see `topology::learn_gate`).
     // SAFETY: initialised by `Watch::new`, at load, before any client is
     // registered, so before any registration asks the GPU driver.
-    unsafe(uninit) static ASKING: Mutex<()> = ();
+    pub(crate) unsafe(uninit) static ASKING: Mutex<()> = ();
 }
 
-/// Runs `ask`, one question to the GPU driver about topology verdicts at a
-/// time (see `topology::learn_gate`).
-pub(crate) fn asking(ask: impl FnOnce()) {
-    let _one = ASKING.lock();
-    ask();
-}
-
-/// A GPU's record, as read.
+/// A GPU's record as read, and its slot.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Gpu {
     pub(crate) slot: usize,
-    pub(crate) id: u32,
-    /// The first byte of its BAR: which GPU the slot held when read.
-    start: u64,
-    /// The GPU driver's topology verdicts for this GPU's peers below a
-    /// common bridge and not, and the errno of the last failed question.
-    pub(crate) gate: (Verdict, Verdict),
-    pub(crate) gate_err: i32,
-    pub(crate) gate_asked: u32,
-    /// The platform observed, where a verdict is [`Verdict::Unverified`].
-    pub(crate) platform: Platform,
+    pub(crate) rec: GpuRec,
+}
+
+impl GpuRec {
+    /// Whether a topology verdict of the driver is still to be learnt.
+    pub(crate) fn gate_unknown(&self) -> bool {
+        self.gate.0 == Verdict::Unknown || self.gate.1 == Verdict::Unknown
+    }
 }
 
 fn live_gpu(t: &Tables, slot: usize) -> Option<Gpu> {
-    let g = &t.gpus[slot];
-    (g.bar_start != 0 && !g.retired).then_some(Gpu {
-        slot,
-        id: g.id,
-        start: g.bar_start,
-        gate: g.gate,
-        gate_err: g.gate_err,
-        gate_asked: g.gate_asked,
-        platform: g.platform,
-    })
+    let rec = t.gpus[slot].filter(|g| !g.retired)?;
+    Some(Gpu { slot, rec })
 }
 
 fn gpu_in(t: &Tables, phys: u64) -> Option<Gpu> {
+    let holds = |g: &GpuRec| (g.bar_start..=g.bar_end).contains(&phys);
     (0..t.gpu_end)
-        .filter(|&i| (t.gpus[i].bar_start..=t.gpus[i].bar_end).contains(&phys))
+        .filter(|&i| t.gpus[i].as_ref().is_some_and(holds))
         .find_map(|i| live_gpu(t, i))
 }
 
-fn pair_in(t: &Tables, gpu: u32, peer: u32) -> Option<(Pair, Class)> {
-    let slot = t.pairs[..t.pair_end]
-        .iter()
-        .position(|p| (p.gpu, p.peer) == (gpu, peer))?;
-    let path = t.pairs[slot].path;
-    let pair = Pair {
-        slot,
-        shares_bridge: path.shares_bridge,
-    };
-    Some((pair, path.class))
+/// `gpu`'s record, unless its slot was freed since `gpu` was read (the slot
+/// maybe another GPU's now).
+fn rec_of(t: &mut Tables, gpu: Gpu) -> Option<&mut GpuRec> {
+    t.gpus[gpu.slot]
+        .as_mut()
+        .filter(|g| g.bar_start == gpu.rec.bar_start)
+}
+
+/// The slot of the pair (`gpu`, `peer`) in `pairs`, if recorded.
+fn pair_slot(pairs: &[Option<PairRec>], gpu: u32, peer: u32) -> Option<usize> {
+    let this = |p: &PairRec| (p.gpu, p.peer) == (gpu, peer);
+    pairs.iter().position(|p| p.as_ref().is_some_and(this))
+}
+
+/// Frees `slot` once its GPU lost its driver and nothing is charged to it.
+fn free_if_retired(slot: &mut Option<GpuRec>) {
+    if slot.is_some_and(|g| g.retired && g.live == 0 && g.bar1_used == 0) {
+        *slot = None;
+    }
 }
 
 /// The GPU whose BAR holds `phys`, if known.
@@ -223,33 +180,31 @@ pub(crate) fn gpu_by_phys(phys: u64) -> Option<Gpu> {
 }
 
 /// The GPU whose BAR holds `phys` and its pair with the device `peer`, with
-/// the pair's class, if both are known (one look at the tables).
-pub(crate) fn known_pair(phys: u64, peer: u32) -> Option<(Gpu, Pair, Class)> {
+/// the pair's path, if both are known (one look at the tables).
+pub(crate) fn known_pair(phys: u64, peer: u32) -> Option<(Gpu, Pair, Path)> {
     let t = TABLES.lock();
     let gpu = gpu_in(&t, phys)?;
-    let (pair, class) = pair_in(&t, gpu.id, peer)?;
-    Some((gpu, pair, class))
+    let slot = pair_slot(&t.pairs[..t.pair_end], gpu.rec.id, peer)?;
+    Some((gpu, Pair(slot), t.pairs[slot]?.path))
 }
 
 /// Records a GPU whose BAR is `[start, end]` (or finds it, recorded by
 /// another thread meanwhile); `None` when the table is full.
 pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
     let mut t = TABLES.lock();
-    if let Some(g) =
-        (0..t.gpu_end).find_map(|i| live_gpu(&t, i).filter(|_| t.gpus[i].bar_start == start))
-    {
+    if let Some(g) = gpu_in(&t, start) {
         return Some(g);
     }
-    let slot = t.gpus.iter().position(|g| g.bar_start == 0)?;
+    let slot = t.gpus.iter().position(Option::is_none)?;
     // INVARIANT: the slot in use is below the end.
     t.gpu_end = t.gpu_end.max(slot + 1);
     // A freed slot starts anew (a rebind may bring another BAR).
-    t.gpus[slot] = GpuRec {
+    t.gpus[slot] = Some(GpuRec {
         bar_start: start,
         bar_end: end,
         id,
-        ..FREE_GPU
-    };
+        ..Default::default()
+    });
     let gpu = live_gpu(&t, slot);
     drop(t);
     crate::ffi::peermem_dirs_kick();
@@ -260,16 +215,12 @@ pub(crate) fn add_gpu(id: u32, start: u64, end: u64) -> Option<Gpu> {
 /// learnt, and the registrations to let pass after failed questions have.
 pub(crate) fn gate_due(gpu: Gpu) -> bool {
     let mut t = TABLES.lock();
-    let g = &mut t.gpus[gpu.slot];
-    let learnt = g.gate.0 != Verdict::Unknown && g.gate.1 != Verdict::Unknown;
-    if g.bar_start != gpu.start || learnt {
+    let Some(g) = rec_of(&mut t, gpu).filter(|g| g.gate_unknown()) else {
         return false;
-    }
-    if g.gate_skip > 0 {
-        g.gate_skip -= 1;
-        return false;
-    }
-    true
+    };
+    let due = g.gate_skip == 0;
+    g.gate_skip = g.gate_skip.saturating_sub(1);
+    due
 }
 
 /// Records what a question about `gpu`'s topology verdicts learnt: the
@@ -286,10 +237,9 @@ pub(crate) fn gate_learnt(
     again: Option<i32>,
 ) {
     let mut t = TABLES.lock();
-    let g = &mut t.gpus[gpu.slot];
-    if g.bar_start != gpu.start {
+    let Some(g) = rec_of(&mut t, gpu) else {
         return;
-    }
+    };
     if let Some(p) = seen {
         g.platform = p;
     }
@@ -304,13 +254,9 @@ pub(crate) fn gate_learnt(
     g.gate_skip = (1u32 << g.gate_fails.saturating_sub(1).min(10)) - 1;
 }
 
-/// A pair's slot and what is known of its path.
+/// A pair's slot.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Pair {
-    pub(crate) slot: usize,
-    /// An upstream bridge above both devices (`Path::shares_bridge`).
-    pub(crate) shares_bridge: bool,
-}
+pub(crate) struct Pair(usize);
 
 /// Records a classified pair in one of the first `pair_table_slots` slots.
 /// Returns its slot and whether this call created it (the caller then logs
@@ -318,34 +264,31 @@ pub(crate) struct Pair {
 pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(Pair, bool)> {
     let mut t = TABLES.lock();
     let slots = &mut t.pairs[..crate::params::pair_slots()];
-    let (slot, new) = match slots.iter().position(|p| (p.gpu, p.peer) == (gpu, peer)) {
+    let (slot, new) = match pair_slot(slots, gpu, peer) {
         Some(slot) => (slot, false),
-        None => (slots.iter().position(|p| (p.gpu, p.peer) == (0, 0))?, true),
+        None => (slots.iter().position(Option::is_none)?, true),
     };
     if new {
         // A reused slot starts with the new pair's own counts.
-        slots[slot] = PairRec {
+        slots[slot] = Some(PairRec {
             gpu,
             peer,
             path,
             iommu,
-            ..FREE_PAIR
-        };
+            registrations: 0,
+            policy_refusals: 0,
+            failures: 0,
+            last_failure: 0,
+            refusal_logged: false,
+        });
     }
-    let shares_bridge = slots[slot].path.shares_bridge;
     // INVARIANT: the slot in use is below the end.
     t.pair_end = t.pair_end.max(slot + 1);
     drop(t);
     if new {
         crate::ffi::peermem_dirs_kick();
     }
-    Some((
-        Pair {
-            slot,
-            shares_bridge,
-        },
-        new,
-    ))
+    Some((Pair(slot), new))
 }
 
 /// The PCI device `id` lost its driver: the pairs it is part of are
@@ -355,51 +298,45 @@ pub(crate) fn add_pair(gpu: u32, peer: u32, path: Path, iommu: u32) -> Option<(P
 /// records it anew).
 pub(crate) fn forget_device(id: u32) {
     let mut t = TABLES.lock();
-    for p in t.pairs.iter_mut().filter(|p| p.gpu == id || p.peer == id) {
-        *p = FREE_PAIR;
+    let part = |p: &PairRec| p.gpu == id || p.peer == id;
+    for p in t.pairs.iter_mut().filter(|p| p.as_ref().is_some_and(part)) {
+        *p = None;
     }
-    for g in t.gpus.iter_mut().filter(|g| g.bar_start != 0 && g.id == id) {
-        g.retired = true;
-        if g.live == 0 && g.bar1_used == 0 {
-            *g = FREE_GPU;
+    for slot in t.gpus.iter_mut() {
+        if let Some(g) = slot.as_mut().filter(|g| g.id == id) {
+            g.retired = true;
         }
+        free_if_retired(slot);
     }
     drop(t);
     crate::ffi::peermem_dirs_kick();
 }
 
 impl Pair {
-    /// A registration failed on this pair with `errno` (positive).
-    pub(crate) fn failed(&self, errno: i32) {
+    /// A registration failed on this pair with `errno` (positive), refused
+    /// by the path policy if `policy`. With `refusal` (the GPU driver's
+    /// topology refusal), returns whether it is the pair's first, which the
+    /// caller explains (once per pair).
+    pub(crate) fn failed(&self, errno: i32, policy: bool, refusal: bool) -> bool {
         let mut t = TABLES.lock();
-        t.pairs[self.slot].failures += 1;
-        t.pairs[self.slot].last_failure = errno;
-    }
-
-    /// The path policy refused a registration on this pair.
-    pub(crate) fn refused_by_policy(&self) {
-        TABLES.lock().pairs[self.slot].policy_refusals += 1;
-        self.failed(1);
-    }
-
-    /// True the first time the GPU driver's refusal of this pair is explained.
-    pub(crate) fn first_refusal(&self) -> bool {
-        let mut t = TABLES.lock();
-        !core::mem::replace(&mut t.pairs[self.slot].refusal_logged, true)
+        let Some(p) = t.pairs[self.0].as_mut() else {
+            return false;
+        };
+        p.failures += 1;
+        p.last_failure = errno;
+        p.policy_refusals += u64::from(policy);
+        refusal && !core::mem::replace(&mut p.refusal_logged, true)
     }
 }
 
-/// What one mapped registration is counted under; released once.
+/// What one mapped registration is counted under, released once: its GPU's
+/// slot + 1 (an `Option<Charge>` in every registration stays 2 bytes).
 ///
 /// # Invariants
 ///
 /// Built only by [`charge`], which added exactly what [`Charge::release`]
 /// subtracts when given the same byte count.
-pub(crate) struct Charge {
-    /// The GPU's slot + 1 (an `Option<Charge>` in every registration stays
-    /// 2 bytes).
-    gpu: core::num::NonZeroU16,
-}
+pub(crate) struct Charge(core::num::NonZeroU16);
 
 /// A pin charged to its GPU's BAR1 use: the GPU's slot and the pin's first
 /// 64 KiB page in that GPU's BAR (+1).
@@ -448,9 +385,8 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
     let Some(gpu) = gpu_in(t, phys) else {
         return Bar1Charged::UnknownGpu;
     };
-    let g = t.gpus[gpu.slot];
     let page = |b: u64| (b / crate::range::GPU_PAGE_SIZE) as u32;
-    let key = (gpu.slot as u8, page(phys - g.bar_start), page(len));
+    let key = (gpu.slot as u8, page(phys - gpu.rec.bar_start), page(len));
     let bar = Bar1 {
         gpu: key.0,
         page: core::num::NonZeroU32::MIN.saturating_add(key.1),
@@ -460,7 +396,8 @@ pub(crate) fn bar1_charge(phys: u64, len: u64, pct: u64) -> Bar1Charged {
         *pins += 1;
         return Bar1Charged::Yes(bar);
     }
-    if let Err(r) = t.gpus[gpu.slot].bar1_add(len, pct, node.is_ok()) {
+    let g = t.gpus[gpu.slot].as_mut();
+    if let Some(Err(r)) = g.map(|g| g.bar1_add(len, pct, node.is_ok())) {
         return Bar1Charged::Refused(r);
     }
     if let Ok(node) = node {
@@ -484,9 +421,8 @@ impl GpuRec {
         let use_after = self.bar1_used + len;
         if use_after > limit {
             self.bar1_refused += 1;
-            let gpu = self.id;
             return Err(Bar1Refusal {
-                gpu,
+                gpu: self.id,
                 use_after,
                 limit,
                 size,
@@ -507,10 +443,7 @@ impl Bar1 {
         );
         let mut guard = TABLES.lock();
         let t = &mut *guard;
-        let Some(runs) = t.runs.as_mut() else {
-            return;
-        };
-        let Some(pins) = runs.get_mut(&key) else {
+        let Some(pins) = t.runs.as_mut().and_then(|r| r.get_mut(&key)) else {
             return;
         };
         *pins -= 1;
@@ -518,12 +451,12 @@ impl Bar1 {
             return;
         }
         // Freed after the lock (the tree's node).
-        let node = runs.remove_node(&key);
-        let g = &mut t.gpus[usize::from(self.gpu)];
-        g.bar1_used -= len;
-        if g.retired && g.live == 0 && g.bar1_used == 0 {
-            *g = FREE_GPU;
+        let node = t.runs.as_mut().and_then(|r| r.remove_node(&key));
+        let slot = &mut t.gpus[usize::from(self.gpu)];
+        if let Some(g) = slot.as_mut() {
+            g.bar1_used -= len;
         }
+        free_if_retired(slot);
         drop(guard);
         drop(node);
     }
@@ -534,44 +467,35 @@ impl Bar1 {
 /// maybe another GPU's now): nothing to count it on.
 pub(crate) fn charge(pair: Option<Pair>, gpu: Gpu, bytes: u64) -> Option<Charge> {
     let mut t = TABLES.lock();
-    if t.gpus[gpu.slot].bar_start != gpu.start {
-        return None;
-    }
-    if let Some(pair) = pair {
-        t.pairs[pair.slot].registrations += 1;
-    }
-    let g = &mut t.gpus[gpu.slot];
+    let g = rec_of(&mut t, gpu)?;
     g.live += 1;
     g.pinned += bytes;
     g.max_pinned = g.max_pinned.max(g.pinned);
+    if let Some(p) = pair.and_then(|p| t.pairs[p.0].as_mut()) {
+        p.registrations += 1;
+    }
     // INVARIANT: what `release` subtracts was added here.
-    Some(Charge {
-        gpu: core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16),
-    })
+    let slot = core::num::NonZeroU16::MIN.saturating_add(gpu.slot as u16);
+    Some(Charge(slot))
 }
 
 impl Charge {
     /// The registration's pin ended; `bytes` is what it was charged with.
     pub(crate) fn release(self, bytes: u64) {
         let mut t = TABLES.lock();
-        let g = &mut t.gpus[usize::from(self.gpu.get() - 1)];
-        g.live -= 1;
-        g.pinned -= bytes;
-        if g.retired && g.live == 0 && g.bar1_used == 0 {
-            *g = FREE_GPU;
+        let slot = &mut t.gpus[usize::from(self.0.get() - 1)];
+        if let Some(g) = slot.as_mut() {
+            g.live -= 1;
+            g.pinned -= bytes;
         }
+        free_if_retired(slot);
     }
 }
 
-/// `dev` lost its driver (C shim, bus notifier).
+/// The PCI device `id` lost its driver (C shim, bus notifier).
 #[no_mangle]
-extern "C" fn peermem_device_unbound(dev: *mut kernel::bindings::device) {
-    let (mut id, mut seg) = (0u32, 0);
-    // SAFETY: the notifier's device, alive during the notification; valid
-    // out-pointers.
-    if !unsafe { crate::ffi::peermem_peer_of(dev, &mut id, &mut seg) }.is_null() {
-        forget_device(id);
-    }
+extern "C" fn peermem_device_unbound(id: u32) {
+    forget_device(id);
 }
 
 /// Whether the PCI device `id` was a registration's `dma_device` (it has a
@@ -580,9 +504,7 @@ extern "C" fn peermem_device_unbound(dev: *mut kernel::bindings::device) {
 #[no_mangle]
 extern "C" fn peermem_known_peer(id: u32) -> bool {
     let t = TABLES.lock();
-    t.pairs[..t.pair_end]
-        .iter()
-        .any(|p| p.peer == id && (p.gpu, p.peer) != (0, 0))
+    t.pairs[..t.pair_end].iter().flatten().any(|p| p.peer == id)
 }
 
 /// The tables' records follow the PCI devices: watches them for the loss of
@@ -599,9 +521,10 @@ impl Watch {
     pub(crate) fn new() -> Result<Self> {
         // SAFETY: called once per load, before `TABLES` and `ASKING` are
         // used (above).
-        unsafe { TABLES.init() };
-        // SAFETY: as above.
-        unsafe { ASKING.init() };
+        unsafe {
+            TABLES.init();
+            ASKING.init();
+        }
         kernel::error::to_result(crate::ffi::peermem_watch_devices())?;
         // INVARIANT: registered just above.
         Ok(Self(()))
@@ -619,12 +542,9 @@ impl Drop for Watch {
 /// GPU's PCI address, each pair's `gpu << 32 | peer`; 0 where none.
 pub(crate) fn keys() -> ([u64; GPUS], [u64; PAIRS]) {
     let t = TABLES.lock();
-    let gpu = |g: &GpuRec| u64::from(g.id) * u64::from(g.bar_start != 0 && !g.retired);
-    let pair = |p: &PairRec| u64::from(p.gpu) << 32 | u64::from(p.peer);
-    (
-        core::array::from_fn(|i| gpu(&t.gpus[i])),
-        core::array::from_fn(|i| pair(&t.pairs[i])),
-    )
+    let gpu = |g: &Option<GpuRec>| g.filter(|g| !g.retired).map_or(0, |g| u64::from(g.id));
+    let pair = |p: &Option<PairRec>| p.map_or(0, |p| u64::from(p.gpu) << 32 | u64::from(p.peer));
+    (t.gpus.each_ref().map(gpu), t.pairs.each_ref().map(pair))
 }
 
 fn verdict(v: Verdict) -> &'static str {
@@ -685,13 +605,13 @@ fn file<R>(
 /// Writes file `i` of the directory of GPU `id` (see [`GPU_FILES`]).
 pub(crate) fn gpu_file(id: u32, i: usize, f: &mut dyn Write) -> Result {
     let live = |g: &&GpuRec| g.id == id && !g.retired;
-    file(&GPU_FILES, i, f, |t| t.gpus.iter().find(live))
+    file(&GPU_FILES, i, f, |t| t.gpus.iter().flatten().find(live))
 }
 
 /// Writes file `i` of the directory of the pair (`gpu`, `peer`) (see
 /// [`PAIR_FILES`]).
 pub(crate) fn pair_file(gpu: u32, peer: u32, i: usize, f: &mut dyn Write) -> Result {
     file(&PAIR_FILES, i, f, |t| {
-        Some(&t.pairs[pair_in(t, gpu, peer)?.0.slot])
+        t.pairs[pair_slot(&t.pairs, gpu, peer)?].as_ref()
     })
 }

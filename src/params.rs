@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0 OR MIT
 
-//! The path parameters, copied at load where the registrations read them:
-//! they cannot change afterwards (no sysfs write), and reading a module
-//! parameter is a call per read.
+//! The module's parameters, checked at load: only `bar1_limit_pct` can
+//! change afterwards (the others' sysfs files are read-only); and the GPU
+//! driver's topology override, read at load.
 
 use kernel::{
     prelude::*,
@@ -36,15 +36,11 @@ impl Param {
 /// The most GPU-peer pairs tracked (`pair_table_slots` at most).
 pub(crate) const PAIRS: usize = 64;
 
-static PATH_POLICY: Atomic<u32> = Atomic::new(0);
-static PATH_ACCOUNTING: Atomic<u32> = Atomic::new(1);
-static ALLOW_UNVERIFIED: Atomic<u32> = Atomic::new(0);
-static PAIR_SLOTS: Atomic<u32> = Atomic::new(PAIRS as u32);
 static DRIVER_OVERRIDE: Atomic<u32> = Atomic::new(0);
 
-/// Reads and checks every parameter and copies the path parameters where
-/// the registrations read them; called at load, before any client is
-/// registered. Returns `persistent_api_support` and `peerdirect_support`.
+/// Reads and checks every parameter and the GPU driver's override; called
+/// at load, before any client is registered. Returns
+/// `persistent_api_support` and `peerdirect_support`.
 pub(crate) fn load() -> Result<(bool, bool)> {
     let persistent = Param::PersistentApiSupport.value();
     let legacy = Param::PeerdirectSupport.value();
@@ -70,23 +66,14 @@ pub(crate) fn load() -> Result<(bool, bool)> {
         pr_err!("invalid parameter pair_table_slots={slots} (1..{PAIRS})\n");
         return Err(EINVAL);
     }
-    // Validated above.
-    PATH_POLICY.store(policy as u32, Relaxed);
-    PATH_ACCOUNTING.store(accounting as u32, Relaxed);
-    ALLOW_UNVERIFIED.store(unverified as u32, Relaxed);
-    PAIR_SLOTS.store(slots as u32, Relaxed);
-    load_driver_override();
-    Ok((persistent == 1, legacy == 1))
-}
-
-/// Reads the GPU driver's `NVreg_GrdmaPciTopoCheckOverride`, which its
-/// topology rule reads first (fact 5); fixed while the driver is loaded.
-fn load_driver_override() {
+    // The GPU driver's `NVreg_GrdmaPciTopoCheckOverride`, which its
+    // topology rule reads first (fact 5); fixed while the driver is loaded.
     let over = crate::ffi::peermem_driver_override();
     if over < 0 {
         pr_warn!("NVreg_GrdmaPciTopoCheckOverride could not be read from /proc/driver/nvidia/params: taken as 0 (the GPU driver's default) where the driver cannot be asked about a path\n");
     }
     DRIVER_OVERRIDE.store(over.max(0) as u32, Relaxed);
+    Ok((persistent == 1, legacy == 1))
 }
 
 /// The GPU driver's `NVreg_GrdmaPciTopoCheckOverride`, as read at load.
@@ -94,20 +81,21 @@ pub(crate) fn driver_override() -> u32 {
     DRIVER_OVERRIDE.load(Relaxed)
 }
 
-/// The `pair_table_slots` parameter: how many pair slots are used.
+/// The `pair_table_slots` parameter: how many pair slots are used (checked
+/// at load; kept within 1..=[`PAIRS`] should root make its file writable).
 pub(crate) fn pair_slots() -> usize {
-    PAIR_SLOTS.load(Relaxed) as usize
+    Param::PairTableSlots.value().clamp(1, PAIRS as i32) as usize
 }
 
 /// The `allow_unverified_paths` parameter.
 pub(crate) fn unverified_allowed() -> bool {
-    ALLOW_UNVERIFIED.load(Relaxed) != 0
+    Param::AllowUnverifiedPaths.value() != 0
 }
 
 /// The `path_policy` parameter: 0 allows every path; 1..=5 refuse paths
 /// worse than PIX..SYS.
 pub(crate) fn policy_level() -> i32 {
-    PATH_POLICY.load(Relaxed) as i32
+    Param::PathPolicy.value()
 }
 
 /// `bar1_limit_pct` now (root may change it at run time; the shim keeps it
@@ -119,5 +107,5 @@ pub(crate) fn bar1_limit_pct() -> u64 {
 /// The `path_accounting` parameter: whether registrations are charged per
 /// pair, GPU and process.
 pub(crate) fn accounting() -> bool {
-    PATH_ACCOUNTING.load(Relaxed) != 0
+    Param::PathAccounting.value() != 0
 }

@@ -93,10 +93,6 @@ pub(crate) struct Path {
     pub(crate) shares_bridge: bool,
 }
 
-fn is_switch(h: &Hop) -> bool {
-    matches!(h.kind, HopKind::SwitchUp | HopKind::Bridge)
-}
-
 /// The path between devices with no bridge in common: through their host
 /// bridge if they share it, else across host bridges on one NUMA node, or
 /// not.
@@ -134,7 +130,7 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
     let acs_redirect = below().any(|h| h.acs_redirect);
     let class = if a.hops[i].kind == HopKind::RootPort {
         Class::Phb
-    } else if below().any(is_switch) {
+    } else if below().any(|h| matches!(h.kind, HopKind::SwitchUp | HopKind::Bridge)) {
         // Switches crossed: every switch entered below the meeting point,
         // plus the one they meet in; PIX is that one alone.
         Class::Pxb
@@ -150,11 +146,12 @@ pub(crate) fn classify(a: &Chain<'_>, b: &Chain<'_>) -> Path {
 
 /// What the GPU driver's topology gate (docs/driver-facts.md, fact 5)
 /// answers for one kind of a GPU's peers, as this module learnt it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Verdict {
     /// Not learnt yet: not asked, no RDMA peer of the kind to ask about
     /// yet, or the last question failed on the way (the caller's
     /// [`Gate::Pending`]). Until it is, the rule on the platform observed.
+    #[default]
     Unknown = 0,
     /// The driver maps for such peers.
     Open = 1,

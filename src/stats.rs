@@ -177,30 +177,26 @@ pub(crate) struct At {
 /// The kernel's name of an errno, the same on every kernel (not depending on
 /// `CONFIG_SYMBOLIC_ERRNAME`).
 pub(crate) fn errno_name(e: kernel::error::Error) -> &'static str {
-    const NAMES: [(i32, &str); 17] = [
-        (1, "EPERM"),
-        (2, "ENOENT"),
-        (5, "EIO"),
-        (7, "E2BIG"),
-        (11, "EAGAIN"),
-        (12, "ENOMEM"),
-        (13, "EACCES"),
-        (14, "EFAULT"),
-        (16, "EBUSY"),
-        (19, "ENODEV"),
-        (22, "EINVAL"),
-        (28, "ENOSPC"),
-        (34, "ERANGE"),
-        (75, "EOVERFLOW"),
-        (95, "EOPNOTSUPP"),
-        (110, "ETIMEDOUT"),
-        (524, "ENOTSUPP"),
-    ];
-    let n = -e.to_errno();
-    NAMES
-        .iter()
-        .find(|(v, _)| *v == n)
-        .map_or("EOTHER", |(_, name)| name)
+    match -e.to_errno() {
+        1 => "EPERM",
+        2 => "ENOENT",
+        5 => "EIO",
+        7 => "E2BIG",
+        11 => "EAGAIN",
+        12 => "ENOMEM",
+        13 => "EACCES",
+        14 => "EFAULT",
+        16 => "EBUSY",
+        19 => "ENODEV",
+        22 => "EINVAL",
+        28 => "ENOSPC",
+        34 => "ERANGE",
+        75 => "EOVERFLOW",
+        95 => "EOPNOTSUPP",
+        110 => "ETIMEDOUT",
+        524 => "ENOTSUPP",
+        _ => "EOTHER",
+    }
 }
 
 /// Counts `err` under `cause` and logs it, rate-limited, with the calling

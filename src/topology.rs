@@ -4,7 +4,10 @@
 //! (computed once per pair, logged once), the path policy, and the
 //! explanation of the GPU driver's topology refusal.
 
-use kernel::prelude::*;
+use kernel::{
+    bindings,
+    prelude::*, //
+};
 
 use crate::{
     accounting::{
@@ -42,10 +45,10 @@ use kernel::sync::atomic::Relaxed;
 
 /// What is known of one registration's route.
 ///
-/// The path's class and whether a bridge sits above both devices are known
-/// whether or not the pair has a slot in the accounting's table: a pair
-/// without one is classified at each registration, and the path policy and
-/// the topology gate hold for it all the same.
+/// The path is known whether or not the pair has a slot in the
+/// accounting's table: a pair without one is classified at each
+/// registration, and the path policy and the topology gate hold for it all
+/// the same.
 pub(crate) struct Route {
     gpu: Option<Gpu>,
     /// The bus address of the route's first page.
@@ -53,9 +56,8 @@ pub(crate) struct Route {
     /// The GPU's PCI address (0: not found).
     gpu_id: u32,
     peer: u32,
-    /// The path's class, if the devices could be classified.
-    class: Option<Class>,
-    shares_bridge: bool,
+    /// The path, if the devices could be classified.
+    path: Option<path::Path>,
     pair: Option<Pair>,
 }
 
@@ -65,10 +67,10 @@ fn chain<'a>(c: &ffi::PeermemChain, out: &'a mut [Hop; 16]) -> Chain<'a> {
     for (o, h) in out.iter_mut().zip(c.hops.iter()).take(n) {
         *o = Hop {
             id: h.id,
-            kind: match h.kind {
-                1 => HopKind::RootPort,
-                2 => HopKind::SwitchUp,
-                3 => HopKind::SwitchDown,
+            kind: match u32::from(h.kind) {
+                bindings::PCI_EXP_TYPE_ROOT_PORT => HopKind::RootPort,
+                bindings::PCI_EXP_TYPE_UPSTREAM => HopKind::SwitchUp,
+                bindings::PCI_EXP_TYPE_DOWNSTREAM => HopKind::SwitchDown,
                 _ => HopKind::Bridge,
             },
             acs_redirect: h.acs_redirect != 0,
@@ -94,26 +96,19 @@ fn classify(gpu_chain: &ffi::PeermemChain, peer: &PeerDevice) -> Option<(path::P
 
 #[cold]
 fn log_new_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) {
-    let class = p.class.name();
-    let acs = if p.acs_redirect {
-        ", ACS redirects peer requests to the root complex"
-    } else {
-        ""
-    };
+    let (gpu, peer, class) = (Bdf(gpu), Bdf(peer), p.class.name());
     let iommu = accounting::IOMMU_NAMES[iommu as usize];
+    let (acs, or_acs) = match p.acs_redirect {
+        true => (
+            ", ACS redirects peer requests to the root complex",
+            " or disable ACS redirection on its ports",
+        ),
+        false => ("", ""),
+    };
     if p.class.through_root_complex() || p.acs_redirect {
-        pr_warn!(
-            "GPU {} and peer {}: path {class}{acs} (IOMMU: {iommu}): peer-to-peer traffic crosses the root complex; expect low bandwidth, or none on some platforms; put the HCA behind the GPU's PCIe switch{}\n",
-            Bdf(gpu),
-            Bdf(peer),
-            if p.acs_redirect { " or disable ACS redirection on its ports" } else { "" }
-        );
+        pr_warn!("GPU {gpu} and peer {peer}: path {class}{acs} (IOMMU: {iommu}): peer-to-peer traffic crosses the root complex; expect low bandwidth, or none on some platforms; put the HCA behind the GPU's PCIe switch{or_acs}\n");
     } else {
-        pr_info!(
-            "GPU {} and peer {}: path {class} (IOMMU: {iommu})\n",
-            Bdf(gpu),
-            Bdf(peer)
-        );
+        pr_info!("GPU {gpu} and peer {peer}: path {class} (IOMMU: {iommu})\n");
     }
 }
 
@@ -123,13 +118,12 @@ impl Route {
     pub(crate) fn of(phys: u64, peer: &PeerDevice) -> Self {
         let peer_id = peer.id();
         match accounting::known_pair(phys, peer_id) {
-            Some((gpu, pair, class)) => Self {
+            Some((gpu, pair, path)) => Self {
                 gpu: Some(gpu),
                 phys,
-                gpu_id: gpu.id,
+                gpu_id: gpu.rec.id,
                 peer: peer_id,
-                class: Some(class),
-                shares_bridge: pair.shares_bridge,
+                path: Some(path),
                 pair: Some(pair),
             },
             None => Self::new_pair(phys, accounting::gpu_by_phys(phys), peer),
@@ -146,24 +140,13 @@ impl Route {
         let gpu = known.or_else(|| found.as_ref().and_then(record_gpu));
         let chain = found.map_or_else(ffi::PeermemChain::default, |(c, _)| c);
         let path = found.and_then(|_| classify(&chain, peer));
-        let pair = path.and_then(|(p, iommu)| {
-            let Some((pair, new)) = accounting::add_pair(chain.id, peer_id, p, iommu) else {
-                kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and stats/paths does not show them\n");
-                return None;
-            };
-            if new {
-                log_new_pair(chain.id, peer_id, p, iommu);
-            }
-            Some(pair)
-        });
         Self {
             gpu,
             phys,
-            gpu_id: found.map_or(gpu.map_or(0, |g| g.id), |_| chain.id),
+            gpu_id: found.map_or(gpu.map_or(0, |g| g.rec.id), |_| chain.id),
             peer: peer_id,
-            class: path.map(|(p, _)| p.class),
-            shares_bridge: path.is_some_and(|(p, _)| p.shares_bridge),
-            pair,
+            path: path.map(|(p, _)| p),
+            pair: path.and_then(|(p, iommu)| record_pair(chain.id, peer_id, p, iommu)),
         }
     }
 
@@ -177,52 +160,51 @@ impl Route {
 
     /// The path policy's verdict.
     pub(crate) fn admit(&self) -> Result {
-        if self.allowed() {
+        let level = params::policy_level();
+        // A path that could not be classified passes only a policy that
+        // allows every path.
+        if level <= 0 || self.path.is_some_and(|p| (p.class as i32) <= level) {
             return Ok(());
         }
-        Err(self.refused_by_policy())
+        Err(self.refused_by_policy(level))
     }
 
     #[cold]
-    fn refused_by_policy(&self) -> Error {
-        let level = params::policy_level();
-        if let Some(pair) = &self.pair {
-            pair.refused_by_policy();
-        }
+    fn refused_by_policy(&self, level: i32) -> Error {
+        self.count_failure(EPERM, true, None);
         let limit = Class::from_level(level as u32).map_or("?", Class::name);
+        let class = self.path.map_or("not classifiable", |p| p.class.name());
+        let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
         fail!(
             at self.at();
             Cause::PathPolicy,
             EPERM,
-            "refused by path_policy={level}: the path between GPU {} and peer {} is {}, worse than {limit}",
-            Bdf(self.gpu_id),
-            Bdf(self.peer),
-            self.class.map_or("not classifiable", Class::name)
+            "refused by path_policy={level}: the path between GPU {gpu} and peer {peer} is {class}, worse than {limit}"
         )
     }
 
     /// The GPU driver's topology gate (fact 5) for this route, which the
     /// invalidating client applies itself: it maps BAR pages without the
     /// driver, whose lock it must not take under the core's `mapping_lock`.
-    /// A route without a pair record counts as sharing no bridge.
-    pub(crate) fn gate(&self) -> Gate {
+    /// A route whose path is not known counts as sharing no bridge.
+    fn gate(&self) -> Gate {
+        let shares_bridge = self.path.is_some_and(|p| p.shares_bridge);
         // A GPU without a record (its table full) is never asked.
-        let Some(gpu) = self.gpu else {
+        let Some(gpu) = self.gpu.map(|g| g.rec) else {
             let u = Verdict::Unverified;
-            return path::gate(self.shares_bridge, u, u, platform(self.phys), false);
+            return path::gate(shares_bridge, u, u, platform(self.phys), false);
         };
         let (near, far) = gpu.gate;
-        let v = if self.shares_bridge { near } else { far };
+        let v = if shares_bridge { near } else { far };
         if v == Verdict::Unknown && gpu.gate_err != 0 {
             return Gate::Pending;
         }
-        let allow = params::unverified_allowed();
         let seen = if v == Verdict::Unknown {
             platform(self.phys)
         } else {
             gpu.platform
         };
-        path::gate(self.shares_bridge, near, far, seen, allow)
+        path::gate(shares_bridge, near, far, seen, params::unverified_allowed())
     }
 
     /// [`Route::gate`]'s verdict, a refusal counted on the pair and
@@ -238,28 +220,19 @@ impl Route {
     fn gate_refused(&self, g: Gate) -> Error {
         let e = match g {
             // The question failed on the way: its error, not a verdict.
-            Gate::Pending => match self.gpu.map_or(0, |g| g.gate_err) {
+            Gate::Pending => match self.gpu.map_or(0, |g| g.rec.gate_err) {
                 0 => EAGAIN,
                 e => Error::from_errno(e),
             },
             _ => compat::eopnotsupp(),
         };
-        // A pair without a slot is explained by the once-per-cause line.
-        let first = self.pair.is_some_and(|pair| {
-            pair.failed(-e.to_errno());
-            g != Gate::Pending && pair.first_refusal()
-        });
-        let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
-        if first && g == Gate::Refused {
-            pr_err!("GPU {gpu} and peer {peer}: the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path, so nv_mem does not map it either; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n");
-        } else if first {
-            pr_err!("GPU {gpu} and peer {peer}: the GPU driver cannot be asked about this path (persistent pins refused, as under MIG or vGPU) and its topology rule (580+) refuses it on this platform (a flagged chipset without a common PCIe switch, or NVreg_GrdmaPciTopoCheckOverride=2), so nv_mem does not map it; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, or load nvidia_peermem with allow_unverified_paths=1, if this platform forwards peer-to-peer traffic between them\n");
-        }
+        self.count_failure(e, false, Some(g).filter(|g| *g != Gate::Pending));
         let why = match g {
             Gate::Refused => "the GPU driver refuses peer-to-peer DMA on this path",
             Gate::Observed => "the GPU driver's rule refuses this path here (flagged chipset, no common PCIe switch, or NVreg_GrdmaPciTopoCheckOverride=2); the driver could not be asked (MIG or vGPU)",
             _ => "asking the GPU driver about this path failed; asked again by a later registration",
         };
+        let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
         fail!(
             at self.at();
             Cause::Topology,
@@ -268,31 +241,38 @@ impl Route {
         )
     }
 
-    /// Whether the path policy allows this route, without a word (the
-    /// refusal itself is [`Route::admit`]'s, which counts and explains it).
-    pub(crate) fn allowed(&self) -> bool {
-        let level = params::policy_level();
-        // A path that could not be classified passes only a policy that
-        // allows every path.
-        level <= 0 || self.class.is_some_and(|c| (c as i32) <= level)
-    }
-
     /// A registration on this route failed with `e`; explains a refusal by
-    /// the GPU driver's topology check once per pair.
+    /// the GPU driver's topology check (`nvidia_p2p_dma_map_pages`, if
+    /// `by_driver_map`) once per pair.
     #[cold]
     pub(crate) fn failed(&self, e: Error, by_driver_map: bool) {
-        let Some(pair) = &self.pair else {
+        let refused = by_driver_map && e == compat::eopnotsupp();
+        self.count_failure(e, false, refused.then_some(Gate::Refused));
+    }
+
+    /// Counts a failure with `e` on the route's pair (a refusal by the path
+    /// policy if `policy`) and explains `refusal`, the GPU driver's
+    /// topology check's (`Gate::Refused`) or its rule's on the platform
+    /// observed (`Gate::Observed`), once per pair. A pair without a slot is
+    /// explained by the once-per-cause line.
+    fn count_failure(&self, e: Error, policy: bool, refusal: Option<Gate>) {
+        let first = |p: Pair| p.failed(-e.to_errno(), policy, refusal.is_some());
+        if !self.pair.is_some_and(first) {
             return;
-        };
-        pair.failed(-e.to_errno());
-        if by_driver_map && e == compat::eopnotsupp() && pair.first_refusal() {
-            pr_err!(
-                "nvidia_p2p_dma_map_pages refused GPU {} and peer {} (path {}): the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, move the HCA behind the GPU's PCIe switch, or disable ACS redirection\n",
-                Bdf(self.gpu_id),
-                Bdf(self.peer),
-                self.class.map_or("?", Class::name)
-            );
         }
+        let (why, ways) = match refusal {
+            Some(Gate::Observed) => (
+                "the GPU driver cannot be asked about this path (persistent pins refused, as under MIG or vGPU) and its topology rule (580+) refuses it on this platform (a flagged chipset without a common PCIe switch, or NVreg_GrdmaPciTopoCheckOverride=2)",
+                "or load nvidia_peermem with allow_unverified_paths=1, if this platform forwards peer-to-peer traffic between them",
+            ),
+            _ => (
+                "the GPU driver's topology check (580+) does not allow peer-to-peer DMA on this path (nvidia_p2p_dma_map_pages refuses it)",
+                "move the HCA behind the GPU's PCIe switch, or disable ACS redirection",
+            ),
+        };
+        let (gpu, peer) = (Bdf(self.gpu_id), Bdf(self.peer));
+        let class = self.path.map_or("?", |p| p.class.name());
+        pr_err!("GPU {gpu} and peer {peer} (path {class}): {why}, so nv_mem does not map it; set NVreg_GrdmaPciTopoCheckOverride=1 for nvidia.ko, {ways}\n");
     }
 
     /// Counts a mapped registration of `bytes`.
@@ -300,6 +280,19 @@ impl Route {
         let gpu = self.gpu.filter(|_| params::accounting())?;
         accounting::charge(self.pair, gpu, bytes)
     }
+}
+
+/// Records the classified pair (`gpu`, `peer`), logged once; `None` when
+/// the table is full.
+fn record_pair(gpu: u32, peer: u32, p: path::Path, iommu: u32) -> Option<Pair> {
+    let Some((pair, new)) = accounting::add_pair(gpu, peer, p, iommu) else {
+        kernel::pr_warn_once!("the GPU/peer pair table is full: pairs without a slot are classified at each registration, and stats/paths does not show them\n");
+        return None;
+    };
+    if new {
+        log_new_pair(gpu, peer, p, iommu);
+    }
+    Some(pair)
 }
 
 /// The PCI device whose memory BAR holds `phys`: its path up and the BAR's
@@ -343,9 +336,8 @@ fn platform(phys: u64) -> Platform {
 /// (see `accounting::gate_learnt`).
 // One call site (the invalidating `acquire`): inlined there.
 pub(crate) fn learn_gate(start: u64, phys: u64) {
-    let unknown = |g: &Gpu| g.gate.0 == Verdict::Unknown || g.gate.1 == Verdict::Unknown;
     if let Some(gpu) = gpu_of(phys)
-        .filter(unknown)
+        .filter(|g| g.rec.gate_unknown())
         .filter(|g| accounting::gate_due(*g))
     {
         ask_once(start, phys, gpu);
@@ -357,11 +349,10 @@ pub(crate) fn learn_gate(start: u64, phys: u64) {
 /// peers, whose locks they would find taken.
 #[cold]
 fn ask_once(start: u64, phys: u64, gpu: Gpu) {
-    accounting::asking(|| {
-        if let Some(gpu) = gpu_of(phys).filter(|g| g.gate_asked == gpu.gate_asked) {
-            probe_gate(start, phys, gpu);
-        }
-    });
+    let _one = accounting::ASKING.lock();
+    if let Some(gpu) = gpu_of(phys).filter(|g| g.rec.gate_asked == gpu.rec.gate_asked) {
+        probe_gate(start, phys, gpu);
+    }
 }
 
 /// Asks the GPU driver about one RDMA peer below a common bridge with `gpu`
@@ -388,7 +379,7 @@ fn probe_gate(start: u64, phys: u64, gpu: Gpu) {
         Verdict::Unknown => ask_gate(&mut pin, &range, phys, near),
         v => Ok(Some(v)),
     };
-    let (near, far) = (ask(gpu.gate.0, true), ask(gpu.gate.1, false));
+    let (near, far) = (ask(gpu.rec.gate.0, true), ask(gpu.rec.gate.1, false));
     if let Some(Ok(table)) = pin {
         STATS.topology_probes.add(1, Relaxed);
         // SAFETY: a persistent pin of `range`, not unpinned before.
@@ -466,10 +457,7 @@ fn ask_gate(
 /// # Safety
 ///
 /// `table` must be a live persistent pin and `dev` a referenced device.
-unsafe fn verdict(
-    table: &p2p::PageTable,
-    dev: *mut kernel::bindings::pci_dev,
-) -> Result<Verdict, i32> {
+unsafe fn verdict(table: &p2p::PageTable, dev: *mut bindings::pci_dev) -> Result<Verdict, i32> {
     // SAFETY: as promised by the caller.
     match unsafe { table.dma_map(dev) } {
         Ok(m) => {

@@ -20,6 +20,7 @@ use core::fmt::{
 
 use kernel::{
     bindings,
+    ffi::c_void,
     prelude::*,
     str::{
         CString,
@@ -144,12 +145,13 @@ global_lock! {
     unsafe(uninit) static DIRS: Mutex<KVec<Dir>> = KVec::new();
 }
 
-/// Makes the directories follow the tables (C shim, the work queued when a
-/// record was added or freed): stale ones go first (a record freed and
-/// added again may have taken another slot; a name is made once), then one
-/// is made for each record without (left for the next sync if it cannot).
+/// Makes the directories follow the tables (C shim, the work function
+/// queued when a record was added or freed): stale ones go first (a record
+/// freed and added again may have taken another slot; a name is made once),
+/// then one is made for each record without (left for the next sync if it
+/// cannot).
 #[no_mangle]
-extern "C" fn peermem_dirs_sync() {
+extern "C" fn peermem_dirs_sync(_work: *mut bindings::work_struct) {
     let (gpus, pairs) = accounting::keys();
     let gpus = gpus.into_iter().map(|k| (GPU, k));
     let keys = Iterator::chain(gpus, pairs.into_iter().map(|k| (PAIR, k)));
@@ -174,15 +176,15 @@ impl fmt::Display for Word<'_> {
     }
 }
 
-/// `nvidia_peermem/processes` in debugfs (C shim, root only): one line per
-/// process holding pins, `tgid=<id> comm=<name> live=<pins>
-/// pinned_bytes=<bytes>`, from the drain's registry.
+/// `nvidia_peermem/processes` in debugfs (C shim, its seq_file show, root
+/// only): one line per process holding pins, `tgid=<id> comm=<name>
+/// live=<pins> pinned_bytes=<bytes>`, from the drain's registry.
 ///
 /// # Safety
 ///
 /// `m` must be the seq_file of the show running.
 #[no_mangle]
-unsafe extern "C" fn peermem_processes_list(m: *mut bindings::seq_file) -> i32 {
+unsafe extern "C" fn peermem_processes_show(m: *mut bindings::seq_file, _v: *mut c_void) -> i32 {
     // SAFETY: valid during the show (caller).
     let m = unsafe { kernel::seq_file::SeqFile::from_raw(m) };
     let regs = crate::registration::registry::live();
