@@ -262,11 +262,6 @@ impl Registration {
         self.inner.lock()
     }
 
-    /// The mode of the client whose `acquire` made this registration.
-    pub(crate) fn mode(&self) -> Mode {
-        self.mode
-    }
-
     /// Whether `put_pages` has anything to do: not without a mapping (the
     /// core's usual order is `dma_unmap`, then `put_pages`), which this
     /// tells without entering the registration's state. A mapping is
