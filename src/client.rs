@@ -134,14 +134,11 @@ impl CoreRegistration {
         })?;
         // INVARIANT: returned by the core for `table`.
         let this = Self { handle, link };
-        if let Some(l) = link {
-            // A core that takes an invalidating client writes its hook; one
-            // that did not cannot revoke: refused (and unregistered on drop).
-            if !l.hook_written() {
-                pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
-                return Err(compat::eproto());
-            }
-            l.publish(handle.as_ptr());
+        // A core that takes an invalidating client writes its hook; one that
+        // did not cannot revoke: refused (and unregistered on drop).
+        if link.is_some_and(|l| !l.publish(handle.as_ptr())) {
+            pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
+            return Err(compat::eproto());
         }
         Ok(this)
     }

@@ -223,7 +223,9 @@ impl PinnedDrop for Registration {
     }
 }
 
-impl Counted for Registration {
+// SAFETY: a registration is initialized only by `acquire`, in an object of
+// the module's cache (`Spare::init`).
+unsafe impl Counted for Registration {
     fn refs(&self) -> &Refcount {
         &self.refs
     }
