@@ -158,17 +158,30 @@ fn addresses<const N: usize>(m: &ModuleRef, names: &[&CStr; N]) -> Option<[*mut 
     }
 }
 
-/// The entry point at `addr`.
+/// Publishes in `api` the table that the addresses `a`, in its fields'
+/// order, make; `held` takes a reference to `m`, which exports them.
 ///
 /// # Safety
 ///
-/// `addr` must be NULL or the address of a function of the type `T` wraps
-/// (an `Option` of a function pointer).
-unsafe fn entry<T: Copy>(addr: *mut c_void) -> T {
-    const { assert!(core::mem::size_of::<T>() == core::mem::size_of::<*mut c_void>()) };
-    // SAFETY: same size (above); NULL is `None`, another address the
-    // function of type `T` (caller).
-    unsafe { core::mem::transmute_copy(&addr) }
+/// `T` must be a `repr(C)` table of `N` entry points (each an `Option` of a
+/// function pointer), and `a[i]` the function `m` exports with the type of
+/// field `i`; called under the binding lock, with `held` (the state's) and
+/// `api` unbound, before any client registered.
+unsafe fn publish<T: Copy, const N: usize>(
+    api: &exports::Api<T>,
+    held: &mut Option<ModuleRef>,
+    m: &ModuleRef,
+    a: [*mut c_void; N],
+) {
+    const { assert!(core::mem::size_of::<T>() == N * core::mem::size_of::<*mut c_void>()) };
+    // SAFETY: same size (above); each address is a function of its field's
+    // type (caller), and a NULL-able function pointer has an address's
+    // layout.
+    let table = unsafe { core::mem::transmute_copy(&a) };
+    // SAFETY: under the binding lock, unpublished (caller); `m` is held until
+    // the table is retracted (`finish_drain`) or the module exits.
+    unsafe { api.publish(table) };
+    *held = Some(m.clone());
 }
 
 /// Whether the GPU driver's `version=` is one this module knows: its major
@@ -198,23 +211,10 @@ fn bind_gpu(st: &mut State, m: &ModuleRef) -> bool {
         );
         return false;
     }
-    // SAFETY: each address is the function `m` exports under the name
-    // `nv-p2p.h` declares with the field's type.
-    let table = unsafe {
-        ffi::peermem_p2p_api {
-            get_pages: entry(a[0]),
-            get_pages_persistent: entry(a[1]),
-            put_pages: entry(a[2]),
-            put_pages_persistent: entry(a[3]),
-            dma_map_pages: entry(a[4]),
-            dma_unmap_pages: entry(a[5]),
-        }
-    };
-    // SAFETY: under the binding lock (`st`), unpublished (`st.gpu` was
-    // `None`), before any client registered; `m` is held until the table is
-    // retracted (`finish_drain`) or the module exits.
-    unsafe { exports::P2P.publish(table) };
-    st.gpu = Some(m.clone());
+    // SAFETY: `peermem_p2p_api` is `nv-p2p.h`'s functions in `P2P_NAMES`'
+    // order, each exported by `m` under its name; under the binding lock
+    // (`st`), unbound (`st.gpu` was `None`), before any client registered.
+    unsafe { publish(&exports::P2P, &mut st.gpu, m, a) };
     true
 }
 
@@ -223,19 +223,11 @@ fn bind_core(st: &mut State, m: &ModuleRef) -> bool {
     let Some(a) = addresses(m, &CORE_NAMES) else {
         return false;
     };
-    // SAFETY: each address is the function `m` exports under the name
-    // `peer_mem.h` declares with the field's type.
-    let table = unsafe {
-        ffi::peermem_core_api {
-            register_client: entry(a[0]),
-            unregister_client: entry(a[1]),
-        }
-    };
-    // SAFETY: under the binding lock (`st`), unpublished (`st.core` was
-    // `None`), before any client registered; `m` is held until the table is
-    // retracted (`finish_drain`) or the module exits.
-    unsafe { exports::CORE.publish(table) };
-    st.core = Some(m.clone());
+    // SAFETY: `peermem_core_api` is `peer_mem.h`'s functions in
+    // `CORE_NAMES`' order, each exported by `m` under its name; under the
+    // binding lock (`st`), unbound (`st.core` was `None`), before any client
+    // registered.
+    unsafe { publish(&exports::CORE, &mut st.core, m, a) };
     true
 }
 
@@ -380,13 +372,11 @@ pub(crate) fn finish_drain() -> bool {
     // Unregistering returns at once: the core holds no registration.
     drop(core::mem::take(&mut st.clients));
     drop(st.fence.take());
-    // SAFETY: under the binding lock; nothing calls through the tables any
-    // more: the clients are unregistered, no registration lives, and no
-    // free callback runs (the fence).
-    unsafe {
-        exports::P2P.retract();
-        exports::CORE.retract();
-    }
+    // Nothing calls through the tables any more: the clients are
+    // unregistered, no registration lives, and no free callback runs (the
+    // fence).
+    exports::P2P.retract();
+    exports::CORE.retract();
     let (core, gpu) = (st.core.take(), st.gpu.take());
     pr_info!(
         "drained: the clients are unregistered from the peer-memory core, and modules {} and {} can be unloaded; nvidia_peermem registers again when one of them is loaded again, or on writing 0 to /sys/module/nvidia_peermem/drain\n",

@@ -2,8 +2,11 @@
 
 //! The peer-memory clients (`nv_mem`, `nv_mem_nc`): the C function tables the
 //! core calls, and their trampolines from raw C arguments to
-//! [`Registration`] methods and back to errno values. Each trampoline is
-//! built for its client's mode (`INV`: the invalidating client).
+//! [`Registration`] methods and back to errno values. `acquire` is built for
+//! its client's mode (`INV`: the invalidating client); the other calls
+//! follow the registration's own mode: OFED's core calls a registration only
+//! through the client whose `acquire` made it, as it keeps that client with
+//! the umem (docs/driver-facts.md, facts 11 to 14).
 
 use core::ptr::NonNull;
 
@@ -68,12 +71,12 @@ const fn table<const INV: bool>(name: &str, extended: bool) -> ClientTable {
         name: c_array(name, 0),
         version: c_array(VERSION, extended as u8),
         acquire: Some(acquire::<INV>),
-        get_pages: Some(get_pages::<INV>),
-        dma_map: Some(dma_map::<INV>),
-        dma_unmap: Some(dma_unmap::<INV>),
-        put_pages: Some(put_pages::<INV>),
+        get_pages: Some(get_pages),
+        dma_map: Some(dma_map),
+        dma_unmap: Some(dma_unmap),
+        put_pages: Some(put_pages),
         get_page_size: Some(get_page_size),
-        release: Some(release::<INV>),
+        release: Some(release),
     };
     ClientTable(ffi::peer_memory_client_ex {
         client,
@@ -131,14 +134,11 @@ impl CoreRegistration {
         })?;
         // INVARIANT: returned by the core for `table`.
         let this = Self { handle, link };
-        if let Some(l) = link {
-            // A core that takes an invalidating client writes its hook; one
-            // that did not cannot revoke: refused (and unregistered on drop).
-            if !l.hook_written() {
-                pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
-                return Err(compat::eproto());
-            }
-            l.publish(handle.as_ptr());
+        // A core that takes an invalidating client writes its hook; one that
+        // did not cannot revoke: refused (and unregistered on drop).
+        if link.is_some_and(|l| !l.publish(handle.as_ptr())) {
+            pr_err!("the peer-memory core registered the invalidating client without an invalidate hook: refused; load with persistent_api_support=1\n");
+            return Err(compat::eproto());
         }
         Ok(this)
     }
@@ -159,44 +159,6 @@ impl Drop for CoreRegistration {
     }
 }
 
-/// The registration behind `ctx`, as the client `INV` was called for it.
-///
-/// OFED's core calls a registration only through the client whose `acquire`
-/// made it: it keeps that client with the umem (docs/driver-facts.md,
-/// facts 11 to 14). This is checked rather than trusted, as the C module's
-/// shared context tolerates a core that mixes the two: one compare of the
-/// registration's mode per call; a crossed call is served as the
-/// registration's own client would (its methods follow its mode), counted in
-/// `crossed_calls` and logged once. The `crossed_clients` scenario runs a
-/// core that mixes them.
-///
-/// # Safety
-///
-/// `ctx` must be a `client_context` that an `acquire` of this module's
-/// clients returned and that the core has not yet passed to `release`.
-unsafe fn called<'a, const INV: bool>(ctx: *mut c_void) -> &'a Registration {
-    // SAFETY: `ctx` came from `into_raw` of a reference the core still owns
-    // (caller).
-    checked::<INV>(unsafe { RegRef::borrow(ctx) })
-}
-
-/// `reg`, once checked to be called through its own client (see [`called`]).
-fn checked<const INV: bool>(reg: &Registration) -> &Registration {
-    if (reg.mode() == Mode::Invalidating) != INV {
-        crossed();
-    }
-    reg
-}
-
-/// Counts a call that came through the other client, and says so the first
-/// time.
-#[cold]
-fn crossed() {
-    if STATS.crossed_calls.fetch_add(1, Relaxed) == 0 {
-        pr_warn!("the RDMA core called a registration through another client than the one that made it; each such call is served as the registration's own client's\n");
-    }
-}
-
 /// `acquire`: claims the range if it is GPU memory the provider can pin.
 ///
 /// # Safety
@@ -211,10 +173,8 @@ unsafe extern "C" fn acquire<const INV: bool>(
 ) -> c_int {
     // The invalidating client's registrations use `INVALIDATING`, which is
     // ready once registration with the core returned.
-    if client_context.is_null() || (INV && !core_link::INVALIDATING.ready()) {
-        return 0;
-    }
-    if refused_for_drain::<INV>(addr, size) {
+    let ready = !INV || core_link::INVALIDATING.ready();
+    if client_context.is_null() || !ready || refused_for_drain::<INV>(addr, size) {
         return 0;
     }
     let mode = if INV {
@@ -299,7 +259,7 @@ fn declined_for_drain(addr: c_ulong) -> bool {
 ///
 /// `client_context` must be a live context returned by an `acquire` of this
 /// module's clients.
-unsafe extern "C" fn get_pages<const INV: bool>(
+unsafe extern "C" fn get_pages(
     addr: c_ulong,
     size: usize,
     _write: c_int,
@@ -309,7 +269,7 @@ unsafe extern "C" fn get_pages<const INV: bool>(
     core_context: u64,
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
-    let reg = unsafe { called::<INV>(client_context) };
+    let reg = unsafe { RegRef::borrow(client_context) };
     reg.get_pages(addr as u64, size as u64, core_context)
         .map_or_else(|e| e.to_errno(), |()| 0)
 }
@@ -322,23 +282,27 @@ unsafe extern "C" fn get_pages<const INV: bool>(
 /// module's clients; `sg_head` the core's table for it and `nmap` NULL or
 /// valid; `dma_device` NULL or a device the core keeps alive while the
 /// registration is mapped.
-unsafe extern "C" fn dma_map<const INV: bool>(
+unsafe extern "C" fn dma_map(
     sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     dma_device: *mut bindings::device,
     _dmasync: c_int,
     nmap: *mut c_int,
 ) -> c_int {
-    // SAFETY: the core passes its table for this registration, and NULL or a
-    // valid `nmap` (caller).
-    let (Some(head), Some(nmap)) = (unsafe { (sg_head.as_mut(), nmap.as_mut()) }) else {
+    // SAFETY: the core's arguments of `dma_map` (caller): its table for this
+    // registration, NULL or a valid `nmap`, a context of this module's, and
+    // NULL or a device it keeps alive while the registration is mapped.
+    let (head, nmap, reg, peer) = unsafe {
+        (
+            sg_head.as_mut(),
+            nmap.as_mut(),
+            RegRef::borrow(client_context),
+            PeerDevice::new(dma_device),
+        )
+    };
+    let (Some(head), Some(nmap)) = (head, nmap) else {
         return EINVAL.to_errno();
     };
-    // SAFETY: the core passes a context of this module's (caller).
-    let reg = unsafe { called::<INV>(client_context) };
-    // SAFETY: the core keeps `dma_device` alive while the registration is
-    // mapped for it (caller).
-    let peer = unsafe { PeerDevice::new(dma_device) };
     match reg.dma_map(head, peer) {
         Ok(n) => {
             *nmap = n as c_int;
@@ -354,32 +318,28 @@ unsafe extern "C" fn dma_map<const INV: bool>(
 ///
 /// `client_context` must be a live context returned by an `acquire` of this
 /// module's clients.
-unsafe extern "C" fn dma_unmap<const INV: bool>(
+unsafe extern "C" fn dma_unmap(
     _sg_head: *mut bindings::sg_table,
     client_context: *mut c_void,
     _dma_device: *mut bindings::device,
 ) -> c_int {
     // SAFETY: the core passes a context of this module's (caller).
-    unsafe { called::<INV>(client_context) }.dma_unmap();
+    unsafe { RegRef::borrow(client_context) }.dma_unmap();
     0
 }
 
-/// `put_pages`: see [`Registration::put_pages`]; nothing to do (and nothing
-/// checked) without a mapping, the core's usual order.
+/// `put_pages`: see [`Registration::put_pages`]; nothing to do without a
+/// mapping, the core's usual order.
 ///
 /// # Safety
 ///
 /// `client_context` must be a live context returned by an `acquire` of this
 /// module's clients.
-unsafe extern "C" fn put_pages<const INV: bool>(
-    _sg_head: *mut bindings::sg_table,
-    client_context: *mut c_void,
-) {
-    // SAFETY: `client_context` came from `into_raw` of a reference the core
-    // still owns (caller).
+unsafe extern "C" fn put_pages(_sg_head: *mut bindings::sg_table, client_context: *mut c_void) {
+    // SAFETY: the core passes a context of this module's (caller).
     let reg = unsafe { RegRef::borrow(client_context) };
     if reg.put_pages_needed() {
-        checked::<INV>(reg).put_pages();
+        reg.put_pages();
     }
 }
 
@@ -400,11 +360,10 @@ unsafe extern "C" fn get_page_size(_client_context: *mut c_void) -> c_ulong {
 ///
 /// `client_context` must be a live context returned by an `acquire` of this
 /// module's clients, released once.
-unsafe extern "C" fn release<const INV: bool>(client_context: *mut c_void) {
-    // SAFETY: the core passes a context of this module's (caller), and keeps
-    // its reference until we take it back below.
-    unsafe { called::<INV>(client_context) }.release();
-    // SAFETY: that context, passed to `release` once, here: the core's
-    // reference comes back and goes.
-    drop(unsafe { RegRef::from_raw(client_context) });
+unsafe extern "C" fn release(client_context: *mut c_void) {
+    // SAFETY: a context of this module's, passed to `release` once (caller):
+    // the core's reference comes back, and goes once the registration is
+    // released.
+    let reg = unsafe { RegRef::from_raw(client_context) };
+    reg.release();
 }

@@ -91,10 +91,11 @@ pub(crate) fn eproto() -> Error {
 /// which does not move until the value is dropped; on `Err` it stays
 /// uninitialized and may only be freed.
 pub(crate) unsafe fn init_pinned<T, E>(slot: *mut T, init: impl PinInit<T, E>) -> Result<(), E> {
-    #[cfg(peermem_raw_try_init)]
     // SAFETY: as promised by the caller.
-    return unsafe { pin_init::raw_try_init(slot, init) };
-    #[cfg(not(peermem_raw_try_init))]
-    // SAFETY: as promised by the caller.
-    return unsafe { init.__pinned_init(slot) };
+    unsafe {
+        #[cfg(peermem_raw_try_init)]
+        return pin_init::raw_try_init(slot, init);
+        #[cfg(not(peermem_raw_try_init))]
+        return init.__pinned_init(slot);
+    }
 }

@@ -42,18 +42,17 @@ impl CoreLink {
         self.hook.get()
     }
 
-    /// Whether the core wrote its hook (during registration, before
-    /// [`CoreLink::publish`]).
-    pub(crate) fn hook_written(&self) -> bool {
+    /// Publishes the core's handle once registration returned it, if the
+    /// core wrote its hook (during registration); whether it did.
+    pub(crate) fn publish(&self, handle: *mut c_void) -> bool {
         // SAFETY: read by the registering thread after the core returned,
         // before the handle is published: no write races it (type
         // invariants).
-        unsafe { (*self.hook.get()).is_some() }
-    }
-
-    /// Publishes the core's handle once registration returned it.
-    pub(crate) fn publish(&self, handle: *mut c_void) {
-        self.handle.store(handle as usize, Release);
+        let written = unsafe { (*self.hook.get()).is_some() };
+        if written {
+            self.handle.store(handle as usize, Release);
+        }
+        written
     }
 
     /// Forgets the handle before unregistering.

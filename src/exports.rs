@@ -81,14 +81,10 @@ impl<T: Copy> Api<T> {
         self.bound.store(1, Release);
     }
 
-    /// Unpublishes the table (a completed drain lets go of its module).
-    ///
-    /// # Safety
-    ///
-    /// Called under the binding lock, while no client is registered and no
-    /// registration lives: nothing reads the table, or will until it is
-    /// published again.
-    pub(crate) unsafe fn retract(&self) {
+    /// Unpublishes the table (a completed drain lets go of its module, once
+    /// no client is registered and no registration lives): calls through it
+    /// fail with `ENODEV` until it is published again.
+    pub(crate) fn retract(&self) {
         self.bound.store(0, Release);
     }
 }
@@ -145,10 +141,12 @@ impl ModuleRef {
     /// The module's `version=` (modinfo), if it has one.
     pub(crate) fn version(&self) -> Option<&CStr> {
         // SAFETY: the module stays while referenced; `version` is NULL or a
-        // string the loader set before the module went live, freed with it.
-        let v: *const c_char = unsafe { (*self.module.as_ptr()).version };
-        // SAFETY: as above: NUL-terminated while the module stays.
-        (!v.is_null()).then(|| unsafe { CStr::from_char_ptr(v) })
+        // NUL-terminated string the loader set before the module went live,
+        // freed with it.
+        unsafe {
+            let v: *const c_char = (*self.module.as_ptr()).version;
+            (!v.is_null()).then(|| CStr::from_char_ptr(v))
+        }
     }
 }
 

@@ -13,8 +13,7 @@ use kernel::{
         list_head,
         llist_node,
         module,
-        pci_dev,
-        refcount_t, //
+        pci_dev, //
     },
     ffi::{
         c_char,
@@ -182,8 +181,8 @@ unsafe extern "C" {
         visit: unsafe extern "C" fn(node: *mut list_head, arg: *mut c_void),
         arg: *mut c_void,
     );
-    /// `refcount_inc_not_zero`.
-    pub(crate) fn peermem_refcount_inc_not_zero(r: *mut refcount_t) -> bool;
+    /// `refcount_inc_not_zero` (a `Refcount` is a `refcount_t`).
+    pub(crate) safe fn peermem_refcount_inc_not_zero(r: &kernel::sync::Refcount) -> bool;
     /// Queues the drain's completion (`drain::peermem_drain_run`).
     pub(crate) safe fn peermem_drain_kick();
     /// Cancels it; returns once it neither runs nor is queued.

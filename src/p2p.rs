@@ -57,17 +57,13 @@ pub(crate) fn provider_error(rc: i32) -> Error {
     if !(-4095..0).contains(&rc) {
         return EIO;
     }
-    let e = Error::from_errno(rc);
-    if e == ENOTSUPP || e == compat::eopnotsupp() {
-        compat::eopnotsupp()
-    } else if [
+    const PASSED: [Error; 9] = [
         EINVAL, ENOMEM, EFAULT, EBUSY, EIO, ENODEV, EPERM, EAGAIN, ENOENT,
-    ]
-    .contains(&e)
-    {
-        e
-    } else {
-        EIO
+    ];
+    match Error::from_errno(rc) {
+        e if e == ENOTSUPP || e == compat::eopnotsupp() => compat::eopnotsupp(),
+        e if PASSED.contains(&e) => e,
+        _ => EIO,
     }
 }
 
@@ -170,10 +166,7 @@ fn api() -> Result<&'static ffi::peermem_p2p_api> {
 
 /// A provider return code as a result (see [`provider_error`]).
 fn provider_result(rc: i32) -> Result {
-    match rc {
-        0 => Ok(()),
-        _ => Err(provider_error(rc)),
-    }
+    (rc == 0).then_some(()).ok_or_else(|| provider_error(rc))
 }
 
 /// The object the provider made, as the token `token` makes of it, if its
@@ -272,19 +265,27 @@ impl PageTable {
         // `flags` right after the public fields (nv-p2p.h 580+), so a version
         // 2 table is at least as large as `nvidia_p2p_page_table` with its
         // `flags` field; version 1 tables have none, and are not read there.
-        let (t, flags) = unsafe {
+        // A checked table holds `entries` page pointers (or none), each NULL
+        // or to a page valid while the table is: an `Option` of a reference
+        // has a pointer's layout.
+        let (t, flags, pages) = unsafe {
             let t = self.0.as_ref();
             let at = || self.0.as_ptr().cast::<u8>().add(PAGE_TABLE_V2_FLAGS_OFFSET);
+            let (at_pages, n) = (t.pages.cast_const().cast(), t.entries as usize);
+            let pages: &[Option<&ffi::nvidia_p2p_page>] = match t.pages.is_null() {
+                true => &[],
+                false => core::slice::from_raw_parts(at_pages, n),
+            };
             (
                 t,
                 (t.version >> 16 >= 2).then(|| at().cast::<u32>().read_unaligned()),
+                pages,
             )
         };
         PageView {
-            pages: t.pages,
+            pages,
             entries: t.entries as usize,
             coherent: flags.is_some_and(|f| f & PAGE_TABLE_FLAGS_CPU_CACHEABLE != 0),
-            _table: core::marker::PhantomData,
         }
     }
 
@@ -364,28 +365,22 @@ pub(crate) const PAGE_TABLE_V2_FLAGS_OFFSET: usize = 32;
 /// `NVIDIA_P2P_PAGE_TABLE_FLAGS_CPU_CACHEABLE` (nv-p2p.h 580+).
 const PAGE_TABLE_FLAGS_CPU_CACHEABLE: u32 = 1;
 
-/// The pages of a checked page table, borrowed from it.
+/// The pages of a checked page table, borrowed from it: `entries` of them,
+/// of which `pages` has the pointers (none if the table has none).
 pub(crate) struct PageView<'a> {
-    pages: *mut *mut ffi::nvidia_p2p_page,
+    pages: &'a [Option<&'a ffi::nvidia_p2p_page>],
     entries: usize,
     coherent: bool,
-    _table: core::marker::PhantomData<&'a PageTable>,
 }
 
 impl<'a> PageView<'a> {
-    /// A view of the `entries` page pointers at `pages` (for KUnit).
-    ///
-    /// # Safety
-    ///
-    /// `pages` must hold `entries` pointers, each NULL or to a page, valid
-    /// for `'a`.
+    /// A view of the pages `pages` (for KUnit).
     #[cfg(CONFIG_KUNIT = "y")]
-    pub(crate) unsafe fn from_raw(pages: *mut *mut ffi::nvidia_p2p_page, entries: usize) -> Self {
+    pub(crate) fn from_pages(pages: &'a [Option<&'a ffi::nvidia_p2p_page>]) -> Self {
         Self {
             pages,
-            entries,
+            entries: pages.len(),
             coherent: false,
-            _table: core::marker::PhantomData,
         }
     }
 
@@ -402,12 +397,8 @@ impl<'a> PageView<'a> {
 
     /// Physical (bus) address of page `i`, or `None` past the end.
     pub(crate) fn physical_address(&self, i: usize) -> Option<u64> {
-        if i >= self.entries || self.pages.is_null() {
-            return None;
-        }
-        // SAFETY: a checked table holds `entries` page pointers, each NULL
-        // or to a page, valid while the table is (the view borrows it).
-        unsafe { (*self.pages.add(i)).as_ref() }.map(|p| p.physical_address)
+        let page = (*self.pages.get(i)?)?;
+        Some(page.physical_address)
     }
 }
 

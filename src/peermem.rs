@@ -76,21 +76,22 @@ const MODINFO: &str = concat!("version=", env!("PEERMEM_VERSION"), "\0");
 /// references, so none is left), then the free callbacks still returning are
 /// waited for (through the GPU driver's lock, see [`p2p::CallbackFence`]),
 /// all in [`binding::Binding`]; then the reap work is flushed (a free
-/// callback's last drop may still be returning from it), then the
-/// statistics go, and last the references to the core's and the GPU
-/// driver's modules.
+/// callback's last drop may still be returning from it) and the objects'
+/// cache goes, then the statistics, and last the references to the core's
+/// and the GPU driver's modules.
 struct NvidiaPeermem {
     // First: the views read the tables and counters of everything below.
     _views: views::Views,
     // After the views: no callback can be armed once it is gone; before the
-    // reaper: the callbacks that handed it references have returned.
+    // cache, which flushes the reap work: the callbacks that handed it
+    // references have returned.
     _binding: binding::Binding,
-    _reaper: registration::refs::ReapFlush,
-    // After the clients and the reaper: no registration is charged any more.
-    _watch: accounting::Watch,
-    // After the clients and the reaper: no registration is left by then.
-    _waitq: waitq::WaitQueue,
     _cache: registration::RegCache,
+    // After the clients and the reap work: no registration is charged any
+    // more.
+    _watch: accounting::Watch,
+    // After the clients and the reap work: no registration is left by then.
+    _waitq: waitq::WaitQueue,
     // Nothing calls the core or the GPU driver any more.
     _exporters: binding::Exporters,
     // Last: the line for the log.
@@ -122,7 +123,6 @@ impl NvidiaPeermem {
         // First: on a failed load, dropped last.
         let exporters = binding::Exporters::new(persistent, legacy);
         let cache = registration::RegCache::new::<registration::Registration>()?;
-        let reaper = registration::refs::ReapFlush;
         let waitq = waitq::WaitQueue::new()?;
         let watch = accounting::Watch::new()?;
         let views = views::Views::new()?;
@@ -132,10 +132,9 @@ impl NvidiaPeermem {
         Ok(Self {
             _views: views,
             _binding: binding,
-            _reaper: reaper,
+            _cache: cache,
             _watch: watch,
             _waitq: waitq,
-            _cache: cache,
             _exporters: exporters,
             _farewell: Farewell,
         })

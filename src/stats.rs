@@ -110,10 +110,6 @@ counters! {
     stranded_pins,
     /// Persistent pins whose unpin failed (lost to the client).
     leaked_pins,
-    /// Calls of the core on a registration through the other client of the
-    /// module than the one whose `acquire` made it (see `client::called`):
-    /// 0 with a core that keeps a registration's client, as OFED's does.
-    crossed_calls,
     /// Registrations the drain revoked through the core.
     drain_revoked,
     /// Persistent pins made to ask the GPU driver's topology gate about a

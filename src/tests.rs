@@ -998,17 +998,10 @@ mod p2p_tests {
             pages.push(p, GFP_KERNEL)?;
         }
         let mut ptrs = KVec::with_capacity(addrs.len(), GFP_KERNEL)?;
-        for (i, &a) in addrs.iter().enumerate() {
-            let p: *mut ffi::nvidia_p2p_page = if a == 0 {
-                core::ptr::null_mut()
-            } else {
-                &raw mut pages[i]
-            };
-            ptrs.push(p, GFP_KERNEL)?;
+        for (p, &a) in pages.iter().zip(addrs) {
+            ptrs.push((a != 0).then_some(p), GFP_KERNEL)?;
         }
-        // SAFETY: `ptrs` holds `addrs.len()` pointers, NULL or into `pages`,
-        // both alive until the view is gone.
-        let view = unsafe { PageView::from_raw(ptrs.as_mut_ptr(), addrs.len()) };
+        let view = PageView::from_pages(&ptrs);
         let missing = core::cell::Cell::new(false);
         let mut out = KVec::new();
         for run in crate::device_map::runs(&view, max_seg, &missing) {
@@ -1466,7 +1459,7 @@ mod abi_tests {
     }
 
     /// Counters the stats file must name, each once.
-    const COUNTERS: [&str; 20] = [
+    const COUNTERS: [&str; 19] = [
         "live_registrations",
         "pinned_bytes",
         "acquired",
@@ -1480,7 +1473,6 @@ mod abi_tests {
         "orphaned_pins",
         "stranded_pins",
         "leaked_pins",
-        "crossed_calls",
         "drain_revoked",
         "topology_probes",
         "fail_bad_range",

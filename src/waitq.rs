@@ -31,32 +31,28 @@ static QUEUE: Atomic<*mut CondVar> = Atomic::new(ptr::null_mut());
 ///
 /// # Invariants
 ///
-/// `QUEUE` points to a pinned, initialized `CondVar` allocated by `new`,
-/// from `new` until `drop`, which frees it.
-pub(crate) struct WaitQueue(());
+/// `QUEUE` points to the queue this value owns from `new` until `drop`,
+/// which unpublishes it before it is freed.
+pub(crate) struct WaitQueue {
+    _queue: Pin<KBox<CondVar>>,
+}
 
 impl WaitQueue {
     /// Allocates and publishes the queue.
     pub(crate) fn new() -> Result<Self> {
         let cv = KBox::pin_init(new_condvar!("peermem::core_left"), GFP_KERNEL)?;
-        // SAFETY: the box is never moved out of: it is turned back into a
-        // pinned box only in `drop`.
-        let raw = KBox::into_raw(unsafe { Pin::into_inner_unchecked(cv) });
-        QUEUE.store(raw, Release);
-        // INVARIANT: published above.
-        Ok(Self(()))
+        QUEUE.store(ptr::from_ref(&*cv).cast_mut(), Release);
+        // INVARIANT: published above; the box never moves its contents.
+        Ok(Self { _queue: cv })
     }
 }
 
 impl Drop for WaitQueue {
     fn drop(&mut self) {
-        let raw = QUEUE.xchg(ptr::null_mut(), Acquire);
-        if !raw.is_null() {
-            // SAFETY: allocated by `new` and freed once. No registration is
-            // left (each holds a module reference, and the module is
-            // unloading), so nobody waits on it or wakes it any more.
-            drop(unsafe { KBox::from_raw(raw) });
-        }
+        // Freed once this returns. No registration is left (each holds a
+        // module reference, and the module is unloading), so nobody waits on
+        // it or wakes it any more.
+        QUEUE.store(ptr::null_mut(), Release);
     }
 }
 

@@ -37,9 +37,7 @@ use crate::{
         Lifecycle,
         Pin, //
     },
-    p2p,
-    p2p::PageTable,
-    params,
+    p2p, params,
     range::GpuRange,
     sg::SgSlot,
     stats::{
@@ -52,9 +50,8 @@ use crate::{
     topology, waitq,
 };
 
-/// A registration's state at birth: its lifecycle, its pin's error, and
-/// its pin's BAR1 charge.
-type Born = (Lifecycle<super::Held>, Option<Error>, Option<Bar1>);
+/// A registration's state at birth: its lifecycle and its pin's error.
+type Born = (Lifecycle<super::Held>, Option<Error>);
 
 /// A registration's object, born `born`.
 fn object(
@@ -62,7 +59,7 @@ fn object(
     start: u64,
     granules: u32,
     live: Liveness,
-    (lc, pin_error, bar1): Born,
+    (lc, pin_error): Born,
 ) -> impl PinInit<Registration> {
     pin_init!(Registration {
         mode,
@@ -75,7 +72,7 @@ fn object(
             mapper: false,
             waiters: 0,
             charge: None,
-            bar1,
+            bar1: None,
         }, "Registration::inner"),
         sg_slot: SgSlot::new(),
         holds_map: Atomic::new(0),
@@ -121,7 +118,7 @@ impl Registration {
             Mode::Invalidating => {
                 // Pinning starts before the object is shared (nobody else can
                 // see it yet, so no lock is needed to move it there).
-                let lc = (Lifecycle::pinning(), None, None);
+                let lc = (Lifecycle::pinning(), None);
                 let reg = registry::add(spare.init(object(mode, range.start, granules, live, lc)));
                 registry::admit()?;
                 reg.pin_invalidating(&reg)?;
@@ -139,6 +136,7 @@ impl Registration {
                     reg.undo();
                     return Err(e);
                 }
+                reg.charge_pin();
                 reg
             }
         };
@@ -148,31 +146,22 @@ impl Registration {
     }
 
     /// A persistent pin of `range`, as the lifecycle that holds it; or, for
-    /// memory the GPU driver owns but cannot pin (or the BAR1 guard
-    /// refuses), an empty lifecycle and the error `get_pages` reports.
+    /// memory the GPU driver owns but cannot pin, an empty lifecycle and the
+    /// error `get_pages` reports.
     fn pin_persistent(range: &GpuRange) -> Result<Born> {
         match p2p::get_pages_persistent(range) {
             Ok(table) => {
-                let bar1 = match bar1_of(&table, range) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        // SAFETY: pinned just above for `range`, unpinned once.
-                        let _ = unsafe { table.put_persistent(range) };
-                        return Ok((Lifecycle::new(), Some(e), None));
-                    }
-                };
                 STATS.pinned_bytes.add(range.len, Relaxed);
                 let pin = Pin {
                     table,
                     token: None,
                     owner: compat::current_tgid(),
                 };
-                Ok((Lifecycle::with_pin(pin), None, bar1))
+                Ok((Lifecycle::with_pin(pin), None))
             }
             Err(e) => Ok((
                 Lifecycle::new(),
                 Some(Self::pin_refused(e, Mode::Persistent, range)?),
-                None,
             )),
         }
     }
@@ -184,20 +173,22 @@ impl Registration {
         if let Err(e) = self.pin(this) {
             let e = Self::pin_refused(e, Mode::Invalidating, &range)?;
             self.enter().pin_error = Some(e);
-        } else if let Some((phys, coherent)) = self.first_phys() {
-            if !coherent {
-                self.charge_bar1(phys)?;
-            }
+        } else if let Some(phys) = self.charge_pin() {
             // No core lock is held here but `peer_memory_mutex`.
             topology::learn_gate(range.start, phys);
         }
         Ok(())
     }
 
-    /// Charges the pin at BAR address `phys` to its GPU's BAR1 use; a pin
-    /// the guard refuses is undone at once and `get_pages` reports
-    /// `ENOMEM`.
-    fn charge_bar1(&self, phys: u64) -> Result {
+    /// Charges the pin to its GPU's BAR1 use (coherent memory is reached
+    /// without BAR1); a pin the guard refuses is undone at once and
+    /// `get_pages` reports `ENOMEM`. The BAR address of the pin's first
+    /// page, if it is pinned and of a layout this module knows.
+    fn charge_pin(&self) -> Option<u64> {
+        let (phys, coherent) = self.first_phys()?;
+        if coherent {
+            return Some(phys);
+        }
         let len = self.range().len;
         match bar1_at(phys, len) {
             Ok(None) => (),
@@ -212,14 +203,12 @@ impl Registration {
                 }
             }
             Err(e) => {
-                let r = self.enter().lc.release(compat::current_tgid());
-                if let Some(table) = r.unpin {
-                    self.unpin(table);
-                }
+                // Unpinned as the core's release would, uncounted.
+                self.undo();
                 self.enter().pin_error = Some(e);
             }
         }
-        Ok(())
+        Some(phys)
     }
 
     /// The provider refused to pin `range` with `e`: `Err` when the range is
@@ -284,26 +273,13 @@ impl Registration {
         let range = self.range();
         let g = self.enter();
         let t = g.lc.pinned_table().ok()?;
-        // SAFETY: Pinned, so the table is ours; a free callback takes this
-        // lock before it revokes, and the provider frees the table only after
-        // the callback returns (fact 2): valid while the lock is held. The
-        // view does not outlive the lock's section.
+        // SAFETY: Pinned, so the table is ours; a free callback (a
+        // persistent pin has none) takes this lock before it revokes, and the
+        // provider frees the table only after the callback returns (fact 2):
+        // valid while the lock is held. The view does not outlive the lock's
+        // section.
         let view = unsafe { t.checked_pages(&range) }?;
         Some((view.physical_address(0)?, view.coherent()))
-    }
-}
-
-/// The BAR1 charge of a persistent pin `table` of `range` (none for
-/// coherent memory, which is reached without BAR1).
-fn bar1_of(table: &PageTable, range: &GpuRange) -> Result<Option<Bar1>> {
-    // SAFETY: pinned for `range` by this thread and not unpinned yet; no
-    // free callback can end a persistent pin. The view ends here.
-    let Some(view) = (unsafe { table.checked_pages(range) }) else {
-        return Ok(None);
-    };
-    match view.physical_address(0) {
-        Some(phys) if !view.coherent() => bar1_at(phys, range.len),
-        _ => Ok(None),
     }
 }
 

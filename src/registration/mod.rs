@@ -223,7 +223,9 @@ impl PinnedDrop for Registration {
     }
 }
 
-impl Counted for Registration {
+// SAFETY: a registration is initialized only by `acquire`, in an object of
+// the module's cache (`Spare::init`).
+unsafe impl Counted for Registration {
     fn refs(&self) -> &Refcount {
         &self.refs
     }
@@ -260,11 +262,6 @@ impl Registration {
     /// Enters the registration's state.
     fn enter(&self) -> Entered<'_> {
         self.inner.lock()
-    }
-
-    /// The mode of the client whose `acquire` made this registration.
-    pub(crate) fn mode(&self) -> Mode {
-        self.mode
     }
 
     /// Whether `put_pages` has anything to do: not without a mapping (the

@@ -47,14 +47,20 @@ use crate::{
 /// An object with a count of references (the kernel's `refcount_t`,
 /// saturating; created at 1, its creator's: [`Spare::init`]) and a reap link
 /// of its own.
-pub(crate) trait Counted: Sized {
+///
+/// # Safety
+///
+/// Every value of the type is an object of the module's cache, initialized
+/// by [`Spare::init`].
+pub(crate) unsafe trait Counted: Sized {
     /// The count of references on this object.
     fn refs(&self) -> &Refcount;
     /// Its link on the reap list (see [`defer`]), not on it until then.
     fn reap_link(&self) -> &Opaque<bindings::llist_node>;
 }
 
-/// Owns the module's cache of objects (the shim's).
+/// Owns the module's cache of objects (the shim's); flushes the reap work
+/// before it destroys the cache.
 ///
 /// # Invariants
 ///
@@ -76,10 +82,15 @@ impl ObjectCache {
 
 impl Drop for ObjectCache {
     fn drop(&mut self) {
+        // First every reference a free callback handed over is dropped, and
+        // the reap work has returned: the module's exit runs this once the
+        // clients are unregistered and the callbacks in flight have returned,
+        // so no callback hands one over any more.
+        ffi::peermem_reap_flush();
         // SAFETY: created in `new`, destroyed once. Every object is back:
-        // each holds a module reference until it is freed, and the module's
-        // exit runs this after the core's calls and the reap work (the places
-        // that drop the last reference) are done.
+        // each holds a module reference until it is freed, and the core's
+        // calls and the reap work (the places that drop the last reference)
+        // are done (above).
         unsafe { ffi::peermem_reg_cache_destroy() };
     }
 }
@@ -175,11 +186,11 @@ impl<T: Counted> Ref<T> {
     ///
     /// # Safety
     ///
-    /// `obj` must be an object of the module's cache (every `T` is), and
-    /// the caller must own one of its counted references, which it gives up.
+    /// The caller must own one of `obj`'s counted references, which it gives
+    /// up.
     pub(crate) unsafe fn adopt(obj: &T) -> Self {
-        // INVARIANT: a live object of the cache, and the reference is counted
-        // (caller).
+        // INVARIANT: an object of the cache (`Counted`), and the reference is
+        // counted (caller).
         Self(NonNull::from(obj))
     }
 }
@@ -197,19 +208,9 @@ impl<T: Counted> Ref<T> {
     /// A new reference on `obj`, unless its last one is being dropped (the
     /// drain finds objects whose count may have reached zero: it takes a
     /// reference only on those that live on).
-    ///
-    /// # Safety
-    ///
-    /// `obj` must be an object of the module's cache whose memory stays
-    /// valid for the call (it is freed only after it left wherever the
-    /// caller found it).
-    pub(crate) unsafe fn get_unless_zero(obj: &T) -> Option<Self> {
-        let count = core::ptr::from_ref(obj.refs()).cast_mut().cast();
-        // SAFETY: `Refcount` is a transparent `refcount_t`, valid for the
-        // call (caller).
-        let live = unsafe { ffi::peermem_refcount_inc_not_zero(count) };
-        // INVARIANT: counted above, on a live object of the cache.
-        live.then(|| Self(NonNull::from(obj)))
+    pub(crate) fn get_unless_zero(obj: &T) -> Option<Self> {
+        // INVARIANT: counted, on a live object of the cache (`Counted`).
+        ffi::peermem_refcount_inc_not_zero(obj.refs()).then(|| Self(NonNull::from(obj)))
     }
 }
 
@@ -236,18 +237,6 @@ impl<T: Counted> Drop for Ref<T> {
             ptr::drop_in_place(p);
             ffi::peermem_reg_free(p.cast());
         }
-    }
-}
-
-/// Flushes the reap work at the module's exit: every reference a free
-/// callback handed over has been dropped, and the work has returned.
-pub(crate) struct ReapFlush;
-
-impl Drop for ReapFlush {
-    fn drop(&mut self) {
-        // No callback hands a reference over any more: the clients are
-        // unregistered and the callbacks in flight have returned.
-        ffi::peermem_reap_flush();
     }
 }
 

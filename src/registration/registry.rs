@@ -85,20 +85,21 @@ struct Found {
 /// `node` is the link of a registration on the registry, `arg` a `Found`;
 /// called under the registry's lock.
 unsafe extern "C" fn visit(node: *mut bindings::list_head, arg: *mut c_void) {
-    // SAFETY: `arg` is the walk's `Found`, borrowed for the walk (caller).
-    let found = unsafe { &mut *arg.cast::<Found>() };
-    if found.regs.len() == found.regs.capacity() {
-        found.full = true;
-        return;
-    }
     let reg = kernel::container_of!(
         node.cast::<Opaque<bindings::list_head>>(),
         Registration,
         link
     );
-    // SAFETY: on the list, so not freed before the lock is released (the
-    // free takes the object off the list under the lock first).
-    if let Some(r) = unsafe { RegRef::get_unless_zero(&*reg) } {
+    // SAFETY: the walk's (caller): `arg` is its `Found`, borrowed for the
+    // walk; `node` is on the list, so its registration is not freed before
+    // the lock is released (the free takes it off the list under the lock
+    // first).
+    let (found, reg) = unsafe { (&mut *arg.cast::<Found>(), &*reg) };
+    if found.regs.len() == found.regs.capacity() {
+        found.full = true;
+        return;
+    }
+    if let Some(r) = RegRef::get_unless_zero(reg) {
         // Within the capacity (checked above): nothing is dropped here.
         let _ = found.regs.push_within_capacity(r);
     }

@@ -81,11 +81,7 @@ impl Registration {
         while g.in_core.is_some_and(|t| t != me) {
             self.wait(g);
         }
-        if g.in_core.is_none() {
-            tgid
-        } else {
-            0
-        }
+        g.in_core.map_or(tgid, |_| 0)
     }
 
     /// Unpins a non-persistent pin at the provider and settles the

@@ -128,18 +128,13 @@ impl Registration {
     /// pin stays until `release` or the callback (see
     /// [`crate::lifecycle::Lifecycle::drain`]). Whether it revoked.
     pub(crate) fn drain(&self) -> bool {
-        let ctx = {
-            let mut g = self.enter();
-            let ctx = g.lc.drain();
-            if ctx.is_some() {
-                // `release` waits until the core's invalidate returned.
-                g.in_core = Some(compat::current_ids().0);
-            }
-            ctx
-        };
-        let Some(ctx) = ctx else {
+        let mut g = self.enter();
+        let Some(ctx) = g.lc.drain() else {
             return false;
         };
+        // `release` waits until the core's invalidate returned.
+        g.in_core = Some(compat::current_ids().0);
+        drop(g);
         STATS.drain_revoked.add(1, Relaxed);
         self.revoke_in_core(ctx);
         true

@@ -154,16 +154,6 @@ module_param_cb(variant, &variant_ops, &core_variant, 0644);
 MODULE_PARM_DESC(variant,
 		 "0: OFED >= 5.5 core; 1: OFED 4.x core for clients without PEER_MEM_INVALIDATE_UNMAPS (read at each registration)");
 
-/*
- * A core that breaks fact 11: every call on a umem after acquire goes through
- * another registered client's table than the one whose acquire claimed it
- * (the real core keeps the umem's client). Counted in crossed_umems.
- */
-static bool cross_clients;
-module_param(cross_clients, bool, 0644);
-MODULE_PARM_DESC(cross_clients,
-		 "call each new umem through another client's table than the acquiring one (a broken core)");
-
 static bool no_invalidate_hook;
 module_param(no_invalidate_hook, bool, 0644);
 MODULE_PARM_DESC(no_invalidate_hook,
@@ -175,7 +165,6 @@ MODULE_PARM_DESC(memlock_ignore_cap,
 		 "enforce RLIMIT_MEMLOCK even with CAP_IPC_LOCK (lets a root test hit the limit)");
 
 static atomic64_t st_memlock_refusals, st_failed_after_map, st_activate_refusals;
-static atomic64_t st_crossed_umems;
 
 static int stat_get(char *buf, const struct kernel_param *kp)
 {
@@ -187,8 +176,6 @@ module_param_cb(memlock_refusals, &stat_ops, &st_memlock_refusals, 0444);
 MODULE_PARM_DESC(memlock_refusals, "registrations refused by RLIMIT_MEMLOCK (EPERM or ENOMEM)");
 module_param_cb(failed_after_map, &stat_ops, &st_failed_after_map, 0444);
 MODULE_PARM_DESC(failed_after_map, "registrations failed by fail_after_map after a successful dma_map");
-module_param_cb(crossed_umems, &stat_ops, &st_crossed_umems, 0444);
-MODULE_PARM_DESC(crossed_umems, "umems called through another client's table (cross_clients)");
 module_param_cb(activate_refusals, &stat_ops, &st_activate_refusals, 0444);
 MODULE_PARM_DESC(activate_refusals,
 		 "OFED 4.x registrations failed because the peer invalidated before activation");
@@ -308,7 +295,7 @@ struct pmc_umem {
 	 * reads it after that, everything else keeps its own pointer.
 	 */
 	struct peer_client *client;
-	/* the table called for it: its client's, or another's (cross_clients) */
+	/* the table called for it: its client's (fact 11) */
 	const struct peer_memory_client *ops;
 	char client_name[IB_PEER_MEMORY_NAME_MAX];
 	void *ctx;
@@ -1125,30 +1112,6 @@ out:
  * success: ib_umem_activate_invalidation_notifier() or
  * ib_umem_stop_invalidation_notifier() drops it.
  */
-/*
- * The table a core calls for a umem that client c acquired: c's own, or with
- * cross_clients another registered client's.
- */
-static const struct peer_memory_client *calls_for(struct peer_client *c)
-{
-	const struct peer_memory_client *ops = c->ops;
-	struct peer_client *o;
-
-	if (!READ_ONCE(cross_clients))
-		return ops;
-	mutex_lock(&peer_memory_mutex);
-	list_for_each_entry(o, &peer_clients, node) {
-		if (o != c) {
-			ops = o->ops;
-			break;
-		}
-	}
-	mutex_unlock(&peer_memory_mutex);
-	if (ops != c->ops)
-		atomic64_inc(&st_crossed_umems);
-	return ops;
-}
-
 static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 {
 	const struct peer_memory_client *ops;
@@ -1171,7 +1134,7 @@ static struct pmc_umem *peer_umem_get(u64 addr, u64 len, u64 flags, int gup_err)
 	if (!found)
 		return ERR_PTR(gup_err);
 	c = found;
-	ops = calls_for(c);
+	ops = c->ops;
 
 	u = umem_alloc(addr, len, PMC_SRC_PEER);
 	if (!u) {

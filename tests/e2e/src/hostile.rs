@@ -17,7 +17,7 @@ use std::{
 use crate::{
     dev::{Alloc, Core, Gpu},
     module,
-    scenarios::{errno_name, expect_err, pattern, reg_verify, stat},
+    scenarios::{errno_name, expect_err, pattern, stat},
     uapi::*,
     Ctx, Mode,
 };
@@ -777,67 +777,6 @@ pub fn table_address_reuse(ctx: &mut Ctx) -> Result<String, String> {
     Ok(format!(
         "{rounds} rounds, {} table addresses reused",
         gi.reused_tables - gi0.reused_tables
-    ))
-}
-
-/// A counter of the harness core's (a read-only parameter).
-fn core_stat(name: &str) -> u64 {
-    std::fs::read_to_string(format!("{CORE_PARAM}/{name}"))
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// A core that calls each registration through the other client of the
-/// module than the one whose `acquire` made it (OFED's keeps the umem's
-/// client, facts 11 to 14; NVIDIA's C module would not notice, its two
-/// clients share one context type). Ours checks every call's registration
-/// and serves it the registration's own way: the registrations map, DMA
-/// and revoke as usual, every call is counted in `crossed_calls`, and the
-/// run's checks (no leak, no overlapping calls) hold.
-pub fn crossed_clients(ctx: &mut Ctx) -> Result<String, String> {
-    let _k = Knob::core("cross_clients", "1")?;
-    let (umems0, calls0) = (core_stat("crossed_umems"), stat("crossed_calls"));
-    let a = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
-    // An invalidating registration (`nv_mem`'s, called through
-    // `nv_mem_nc`'s table) and a persistent one (the other way round).
-    for flags in [PMC_REG_INVAL_SUPP, 0] {
-        reg_verify(ctx, &a, 0x1000, 2 * M - 0x3000, flags)
-            .map_err(|e| format!("flags {flags:#x}: {e}"))?;
-    }
-    // A free under a crossed invalidating registration revokes it.
-    let b = ctx.gpu().alloc(0, 2 * M).map_err(errno_name)?;
-    let inv0 = stat("invalidations");
-    let h = ctx
-        .core
-        .reg(b.va, 2 * M, PMC_REG_INVAL_SUPP)
-        .map_err(errno_name)?;
-    ctx.gpu().free(&b).map_err(errno_name)?;
-    let q = ctx.core.query(h).map_err(errno_name)?;
-    ensure!(
-        q.state == PMC_STATE_INVALIDATED && q.revoked == 1,
-        "after the free: state {} revoked {}",
-        q.state,
-        q.revoked
-    );
-    expect_err(
-        ctx.core.dma_read(h, 0, 64),
-        libc::EACCES,
-        "DMA through the revoked MR",
-    )?;
-    ctx.core.dereg(h).map_err(errno_name)?;
-    ensure!(stat("invalidations") == inv0 + 1, "invalidations counter");
-    let umems = core_stat("crossed_umems") - umems0;
-    let calls = stat("crossed_calls") - calls0;
-    ensure!(umems == 3, "{umems} umems called through the other table");
-    // get_pages, dma_map, release, and dma_unmap where mapped at the
-    // deregistration (put_pages after it has nothing to do).
-    ensure!(
-        calls == 4 + 4 + 3,
-        "{calls} calls through the other client for 3 registrations"
-    );
-    Ok(format!(
-        "{umems} registrations, {calls} crossed calls served"
     ))
 }
 

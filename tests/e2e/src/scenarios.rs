@@ -244,11 +244,6 @@ pub const ALL: &[Scenario] = &[
         run: hostile::persistent_unpin_failure,
     },
     Scenario {
-        name: "crossed_clients",
-        applies: ours_invalidating,
-        run: hostile::crossed_clients,
-    },
-    Scenario {
         name: "memlock_charged_before_clients",
         applies: always,
         run: hostile::memlock_charged_first,

@@ -52,10 +52,6 @@ pub(crate) const KNOWN: &[(&str, &str)] = &[
         "registrations the drain revoked through the core",
     ),
     (
-        "crossed_calls",
-        "core calls through another client than the registration's (0 expected)",
-    ),
-    (
         "topology_probes",
         "persistent pins made to ask the GPU driver's topology gate (one per GPU per load)",
     ),
