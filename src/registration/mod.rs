@@ -195,8 +195,8 @@ pub(crate) struct Registration {
     granules: u32,
     #[pin]
     inner: SpinLock<Inner>,
-    /// The scatterlist entry of a one-run mapping, or the header of the
-    /// scatterlist of a persistent mapping of several runs. Only the mapping
+    /// The scatterlist entry of a mapping of one segment, of either
+    /// back-end (several segments have a table of their own). Only the mapping
     /// being made or held by `inner` uses it (the lifecycle holds at most
     /// one, built in Mapping), and every mapping is dropped before the
     /// registration is freed.

@@ -20,7 +20,7 @@
 //!   it calls `release` outside that lock and clears its client pointer once
 //!   `release` returned, which an invalidate in flight reads (fact 14).
 //! - in invalidating mode the client maps the BAR pages itself, without the
-//!   RM lock (`bar_map.rs`): taking it there deadlocks against a free
+//!   RM lock (`device_map.rs`): taking it there deadlocks against a free
 //!   callback waiting for the mapping lock (fact 3), which loom reports.
 //!
 //! Checked in every interleaving: the provider's objects are never used after
@@ -444,7 +444,7 @@ impl Reg {
     fn map_pages(&self) -> DevMap {
         let p = &self.provider;
         let by_provider = self.sc.persistent;
-        // nvidia_p2p_dma_map_pages takes the RM lock; `bar_map` does not.
+        // nvidia_p2p_dma_map_pages takes the RM lock; `DeviceMap::bar` does not.
         let rm =
             (by_provider || self.sc.mutant == Mutant::RmLockInDmaMap).then(|| p.rm.lock().unwrap());
         p.read_table("dma_map");
@@ -525,7 +525,7 @@ impl Reg {
         if let Invalidate::NotifyCore(ctx) = action {
             self.core.invalidate(ctx, self);
             // The device's access ends; the map stays for the core until
-            // it unmaps or releases (`bar_map::take_device_access`).
+            // it unmaps or releases (`DeviceMap::take_device_access`).
             if let Some(m) = self.lock().lc.revoked_map_mut() {
                 m.revoke_access();
             }
