@@ -261,26 +261,26 @@ impl PageTable {
     /// The table must still be valid, checked by [`PageTable::check`], and
     /// stay valid while the returned view is used.
     pub(crate) unsafe fn pages(&self) -> PageView<'_> {
-        // SAFETY: valid per the caller's guarantee. Version 2 tables carry
-        // `flags` right after the public fields (nv-p2p.h 580+), so a version
-        // 2 table is at least as large as `nvidia_p2p_page_table` with its
-        // `flags` field; version 1 tables have none, and are not read there.
-        // A checked table holds `entries` page pointers (or none), each NULL
-        // or to a page valid while the table is: an `Option` of a reference
-        // has a pointer's layout.
-        let (t, flags, pages) = unsafe {
-            let t = self.0.as_ref();
-            let at = || self.0.as_ptr().cast::<u8>().add(PAGE_TABLE_V2_FLAGS_OFFSET);
-            let (at_pages, n) = (t.pages.cast_const().cast(), t.entries as usize);
-            let pages: &[Option<&ffi::nvidia_p2p_page>] = match t.pages.is_null() {
-                true => &[],
-                false => core::slice::from_raw_parts(at_pages, n),
-            };
-            (
-                t,
-                (t.version >> 16 >= 2).then(|| at().cast::<u32>().read_unaligned()),
-                pages,
-            )
+        // SAFETY: valid and checked (caller).
+        let t = unsafe { self.0.as_ref() };
+        let flags_at = self
+            .0
+            .as_ptr()
+            .wrapping_byte_add(PAGE_TABLE_V2_FLAGS_OFFSET);
+        let flags = match t.version >> 16 {
+            // SAFETY: a version 2 table carries `flags` right after the public
+            // fields (nv-p2p.h 580+); version 1 tables have none.
+            2.. => Some(unsafe { flags_at.cast::<u32>().read_unaligned() }),
+            _ => None,
+        };
+        let pages: &[Option<&ffi::nvidia_p2p_page>] = match t.pages.is_null() {
+            true => &[],
+            // SAFETY: a checked table holds `entries` page pointers, each NULL
+            // or to a page valid while the table is (`Option<&_>` has a
+            // pointer's layout).
+            false => unsafe {
+                core::slice::from_raw_parts(t.pages.cast_const().cast(), t.entries as usize)
+            },
         };
         PageView {
             pages,
